@@ -1,0 +1,158 @@
+"""The stack's configuration, read from configs/: the one source of every vLLM flag.
+
+Compose (through ``pdstack.serve`` inside the image) and the CPU twin both
+call :func:`vllm_args`, so what CI tests is what users deploy; the only
+differences are ``configs/targets/<target>.yaml``, kept in one visible place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIGS = Path(
+    os.environ.get("PD_CONFIGS", Path(__file__).resolve().parent.parent / "configs")
+)
+ROLES = ("prefill", "decode")
+TARGETS = ("cpu", "gpu")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Ports:
+    router: int
+    prefill: int
+    decode: int
+    bootstrap: int
+
+
+def ports(env: Mapping[str, str] | None = None) -> Ports:
+    """Ports from configs/ports.env, each overridable by the same-named variable."""
+    env = os.environ if env is None else env
+    values: dict[str, str] = {}
+    for line in (CONFIGS / "ports.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = env.get(key.strip(), value.strip())
+    try:
+        return Ports(
+            router=int(values["ROUTER_PORT"]),
+            prefill=int(values["PREFILL_PORT"]),
+            decode=int(values["DECODE_PORT"]),
+            bootstrap=int(values["BOOTSTRAP_PORT"]),
+        )
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"configs/ports.env: bad or missing port: {exc}") from exc
+
+
+def _load(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"no such config file: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def profile(name: str) -> dict[str, Any]:
+    path = CONFIGS / "profiles" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (CONFIGS / "profiles").glob("*.yaml"))
+        raise ConfigError(f"unknown profile {name!r}; known: {', '.join(known)}")
+    return _load(path)
+
+
+def target(name: str) -> dict[str, Any]:
+    if name not in TARGETS:
+        raise ConfigError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
+    return _load(CONFIGS / "targets" / f"{name}.yaml")
+
+
+def vllm_flags(role: str, profile_name: str, target_name: str) -> dict[str, Any]:
+    """Merged flags: common < profile < role < target (later wins)."""
+    if role not in ROLES:
+        raise ConfigError(f"unknown role {role!r}; known: {', '.join(ROLES)}")
+    merged: dict[str, Any] = {}
+    for layer in (
+        _load(CONFIGS / "vllm" / "common.yaml"),
+        profile(profile_name).get("vllm", {}),
+        _load(CONFIGS / "vllm" / f"{role}.yaml"),
+        target(target_name).get("vllm", {}),
+    ):
+        merged.update(layer)
+    return merged
+
+
+def render(flags: Mapping[str, Any], substitutions: Mapping[str, str]) -> list[str]:
+    """Flags as an argv list; ``{name}`` in strings is substituted."""
+
+    def subst(value: Any) -> Any:
+        if isinstance(value, str):
+            return value.format_map(substitutions)
+        if isinstance(value, dict):
+            return {k: subst(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [subst(v) for v in value]
+        return value
+
+    argv: list[str] = []
+    for key, value in flags.items():
+        value = subst(value)
+        if value is True:
+            argv.append(f"--{key}")
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, dict):
+            argv += [
+                f"--{key}",
+                json.dumps(value, separators=(",", ":"), sort_keys=True),
+            ]
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def vllm_args(
+    role: str,
+    profile_name: str,
+    target_name: str,
+    substitutions: Mapping[str, str],
+    port: int,
+) -> list[str]:
+    flags = vllm_flags(role, profile_name, target_name)
+    return [*render(flags, substitutions), "--port", str(port)]
+
+
+def server_env(role: str, target_name: str, bootstrap_port: int) -> dict[str, str]:
+    env = {str(k): str(v) for k, v in target(target_name).get("env", {}).items()}
+    # Where the prefill's Mooncake bootstrap server listens (and decode asks).
+    env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap_port)
+    return env
+
+
+def router_args(
+    prefill_url: str, bootstrap_port: int, decode_url: str, host: str, port: int
+) -> list[str]:
+    flags = _load(CONFIGS / "router.yaml")
+    return [
+        *render(flags, {}),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--prefill",
+        prefill_url,
+        str(bootstrap_port),
+        "--decode",
+        decode_url,
+    ]

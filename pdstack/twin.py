@@ -1,0 +1,221 @@
+"""The CPU twin: prefill, decode and vllm-router as local processes.
+
+    python -m pdstack.twin up      # returns when all three answer /health
+    python -m pdstack.twin down    # stops exactly the processes `up` started
+    python -m pdstack.twin status
+
+State (pids, logs) lives in ``$PD_RUN_DIR`` (default ``run/twin``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdstack import config, wait
+
+RUN_DIR = Path(
+    os.environ.get(
+        "PD_RUN_DIR", Path(__file__).resolve().parent.parent / "run" / "twin"
+    )
+)
+HOST = "127.0.0.1"
+# A cold start on 2 cores takes about a minute per server; leave room.
+SERVER_DEADLINE_S = float(os.environ.get("PD_SERVER_DEADLINE_S", "600"))
+ROUTER_DEADLINE_S = 120.0
+STOP_GRACE_S = 20.0
+
+
+@dataclass(frozen=True)
+class Urls:
+    router: str
+    prefill: str
+    decode: str
+    bootstrap_port: int
+
+
+def urls() -> Urls:
+    p = config.ports()
+    return Urls(
+        router=f"http://{HOST}:{p.router}",
+        prefill=f"http://{HOST}:{p.prefill}",
+        decode=f"http://{HOST}:{p.decode}",
+        bootstrap_port=p.bootstrap,
+    )
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time, so a reused pid is never mistaken for ours."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _state_file(run_dir: Path) -> Path:
+    return run_dir / "processes.json"
+
+
+def _launch(
+    name: str, argv: list[str], env: dict[str, str], run_dir: Path
+) -> subprocess.Popen:
+    log = (run_dir / f"{name}.log").open("wb")
+    # Own session: `down` signals the whole group (vLLM forks its engine core).
+    return subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **env},
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _record(run_dir: Path, procs: dict[str, subprocess.Popen]) -> None:
+    state = {
+        name: {"pid": p.pid, "start": _start_time(p.pid)} for name, p in procs.items()
+    }
+    _state_file(run_dir).write_text(json.dumps(state, indent=1))
+
+
+def up(
+    profile: str = "tiny",
+    run_dir: Path = RUN_DIR,
+    progress=print,
+    role_env: dict[str, dict[str, str]] | None = None,
+) -> Urls:
+    """Start the twin; on any failure, stop what was started and raise.
+
+    ``role_env`` adds environment per role, e.g. a test fault on decode.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if running(run_dir):
+        raise wait.WaitError(
+            f"a twin is already running (state in {run_dir}); run `down` first"
+        )
+    u = urls()
+    for name, url in (
+        ("router", u.router),
+        ("prefill", u.prefill),
+        ("decode", u.decode),
+    ):
+        if wait.healthy(url):
+            raise wait.WaitError(
+                f"port of {name} ({url}) is already in use by another server"
+            )
+    from pdstack.serve import command
+    from pdstack.tiny_model import ensure_models
+
+    if config.profile(profile).get("generate") == "tiny":
+        ensure_models(progress=progress)
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for role in config.ROLES:
+            argv, env = command(role, profile, "cpu", HOST)
+            env = {**env, **(role_env or {}).get(role, {})}
+            procs[role] = _launch(role, argv, env, run_dir)
+            _record(run_dir, procs)
+            log = run_dir / f"{role}.log"
+            progress(f"started {role} (pid {procs[role].pid}), log {log}")
+        for role in config.ROLES:
+            url = u.prefill if role == "prefill" else u.decode
+            took = wait.until_healthy(
+                role,
+                url,
+                SERVER_DEADLINE_S,
+                procs[role],
+                run_dir / f"{role}.log",
+                progress,
+            )
+            progress(f"{role} healthy at {url} ({took:.0f}s)")
+        router_argv = [
+            "vllm-router",
+            *config.router_args(
+                u.prefill,
+                u.bootstrap_port,
+                u.decode,
+                HOST,
+                int(u.router.rsplit(":", 1)[1]),
+            ),
+        ]
+        router_bin = Path(sys.executable).parent / "vllm-router"
+        if router_bin.exists():
+            router_argv[0] = str(router_bin)
+        procs["router"] = _launch("router", router_argv, {}, run_dir)
+        _record(run_dir, procs)
+        took = wait.until_healthy(
+            "router",
+            u.router,
+            ROUTER_DEADLINE_S,
+            procs["router"],
+            run_dir / "router.log",
+            progress,
+        )
+        progress(f"router healthy at {u.router} ({took:.0f}s)")
+    except BaseException:
+        down(run_dir, progress)
+        raise
+    return u
+
+
+def running(run_dir: Path = RUN_DIR) -> dict[str, int]:
+    """Processes of the recorded twin that are still alive (and still ours)."""
+    path = _state_file(run_dir)
+    if not path.exists():
+        return {}
+    alive = {}
+    for name, entry in json.loads(path.read_text()).items():
+        if entry["start"] is not None and _start_time(entry["pid"]) == entry["start"]:
+            alive[name] = entry["pid"]
+    return alive
+
+
+def down(run_dir: Path = RUN_DIR, progress=print) -> None:
+    alive = running(run_dir)
+    for name, pid in alive.items():
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+        progress(f"stopping {name} (pid {pid})")
+    deadline = time.monotonic() + STOP_GRACE_S
+    while running(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for name, pid in running(run_dir).items():
+        progress(f"{name} (pid {pid}) ignored SIGTERM; killing")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    _state_file(run_dir).unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="CPU twin of the P/D stack")
+    parser.add_argument("action", choices=("up", "down", "status"))
+    parser.add_argument("--profile", default="tiny")
+    opts = parser.parse_args(argv)
+    try:
+        if opts.action == "up":
+            u = up(opts.profile)
+            print(f"twin up: router {u.router}, prefill {u.prefill}, decode {u.decode}")
+        elif opts.action == "down":
+            down()
+        else:
+            alive = running()
+            print(json.dumps(alive) if alive else "twin not running")
+            return 0 if alive else 1
+    except (wait.WaitError, config.ConfigError) as exc:
+        print(f"twin {opts.action} failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

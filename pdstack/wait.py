@@ -1,0 +1,63 @@
+"""Waiting with deadlines: every wait in the stack ends, and says why."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import requests
+
+
+class WaitError(RuntimeError):
+    pass
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=timeout).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def until_healthy(
+    name: str,
+    url: str,
+    deadline_s: float,
+    process: subprocess.Popen | None = None,
+    log: Path | None = None,
+    progress: Callable[[str], None] = print,
+    interval_s: float = 1.0,
+) -> float:
+    """Poll ``url/health`` until 200, failing early if ``process`` exits.
+
+    Returns the seconds it took.
+    """
+    start = time.monotonic()
+    last_note = start
+    while True:
+        if healthy(url):
+            return time.monotonic() - start
+        if process is not None and process.poll() is not None:
+            raise WaitError(
+                f"{name} exited with code {process.returncode} before it was healthy; "
+                f"last lines of {log}:\n{tail(log) if log else ''}"
+            )
+        now = time.monotonic()
+        if now - start > deadline_s:
+            raise WaitError(
+                f"{name} not healthy at {url} after {deadline_s:.0f}s; "
+                f"last lines of {log}:\n{tail(log) if log else ''}"
+            )
+        if now - last_note >= 15:
+            progress(f"  ... waiting for {name} ({now - start:.0f}s)")
+            last_note = now
+        time.sleep(interval_s)

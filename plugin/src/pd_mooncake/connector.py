@@ -1,0 +1,271 @@
+"""PDMooncakeConnector: upstream's MooncakeConnector with this plugin's fixes.
+
+Subclasses keep upstream's transfer logic; each override says why it exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+    mooncake_connector as upstream,
+)
+
+from pd_mooncake import cpu_support, extra_config, faults, registration
+from pd_mooncake.metrics import (
+    PDMooncakePromMetrics,
+    PDMooncakeStats,
+    RegionMap,
+    sending_descriptors,
+)
+
+logger = logging.getLogger("pd_mooncake")
+
+# How long the producer waits for its ZMQ listener before failing start-up.
+LISTENER_READY_TIMEOUT_S = 120.0
+
+
+@contextlib.contextmanager
+def _upstream_builds(worker_cls: type) -> Iterator[None]:
+    """Make upstream's constructor build our worker instead of its own.
+
+    Upstream's ``MooncakeConnector.__init__`` instantiates the module-global
+    ``MooncakeConnectorWorker``; swapping that name for the duration of the
+    call keeps every other line of upstream's constructor (which differs
+    between vLLM releases) untouched. Construction is single-threaded.
+    """
+    original = upstream.MooncakeConnectorWorker
+    upstream.MooncakeConnectorWorker = worker_cls
+    try:
+        yield
+    finally:
+        upstream.MooncakeConnectorWorker = original
+
+
+class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        with cpu_support.cpu_device_index():
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.backport = bool(extra.get("force_registration_backport")) or (
+            not registration.upstream_has_fix(upstream.MooncakeConnectorWorker)
+        )
+        self.fault = faults.active_fault()
+        self.xfer_stats = PDMooncakeStats()
+        self.regions: list[registration.Region] = []
+        if not hasattr(self, "_physical_blocks_per_logical_kv_block"):
+            # vLLM < 0.20: no kernel block size sync upstream; do it here.
+            self._sync_kernel_block_size()
+
+    def _sync_kernel_block_size(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import (
+            get_current_attn_backends,
+        )
+
+        backends = get_current_attn_backends(self.vllm_config)
+        kernel, ratio = registration.kernel_block_size(self.block_size, backends, None)
+        self.kernel_block_size = kernel
+        self.blocks_per_logical = ratio
+
+    # -- registration ---------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.backport:
+            self._register_backport(kv_caches)
+        else:
+            super().register_kv_caches(kv_caches)
+        self.regions = self._describe_regions(kv_caches)
+        self.xfer_stats.region_map = self._region_map(kv_caches)
+        self._log_region_report()
+
+    def _mla_layers(self, kv_caches: dict[str, torch.Tensor]) -> set[str]:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        specs = getattr(self, "_layer_specs", None) or {}
+        if specs:
+            return {n for n in kv_caches if isinstance(specs.get(n), MLAAttentionSpec)}
+        # vLLM < 0.20 has no per-layer specs on the worker: use the groups.
+        return {
+            name
+            for group in self.kv_cache_config.kv_cache_groups
+            if isinstance(group.kv_cache_spec, MLAAttentionSpec)
+            for name in group.layer_names
+        }
+
+    def _register_backport(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """PR 39596 registration for vLLM releases without it (see registration)."""
+        logical = self.kv_cache_config.num_blocks
+        if hasattr(self, "_physical_blocks_per_logical_kv_block"):
+            # vLLM >= 0.20 addresses kernel blocks itself: register per kernel block.
+            num_blocks = logical * self._physical_blocks_per_logical_kv_block
+        else:
+            # Older releases address logical blocks; a logical block is
+            # `ratio` adjacent kernel blocks, one contiguous span of bytes.
+            num_blocks = logical
+        plan = registration.plan_registration(
+            kv_caches, self._mla_layers(kv_caches), num_blocks
+        )
+        self._apply_plan(plan, kv_caches, num_blocks)
+        if self.engine.batch_register_memory(plan.ptrs, plan.lens) != 0:
+            raise RuntimeError("Mooncake batch memory registration failed.")
+        if not self.is_kv_consumer:
+            self._start_sender_listener()
+
+    def _apply_plan(
+        self,
+        plan: registration.RegistrationPlan,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+    ) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        regions = plan.regions
+        self.num_blocks = num_blocks
+        self.kv_caches_base_addr = [r.base_addr for r in regions]
+        self.seen_base_addresses = list(plan.ptrs)
+        self.block_len_per_layer = [r.block_len for r in regions]
+        self.device_kv_caches = kv_caches
+        if hasattr(self, "kv_block_len_per_layer"):
+            # Attributes vLLM >= 0.20 reads when it aligns regions with a peer.
+            group_of = self.kv_cache_config.transfer_group_index_by_layer
+            self.kv_block_len_per_layer = [r.kv_block_len for r in regions]
+            self.registered_layer_names = [r.layer_name for r in regions]
+            self.registered_layer_indices = [
+                extract_layer_index(r.layer_name) for r in regions
+            ]
+            self.registered_group_indices = [group_of[r.layer_name] for r in regions]
+            self.region_shared_groups = [(g,) for g in self.registered_group_indices]
+            # Upstream treats a block-major MLA tensor as a packed row at
+            # offset 0 (eligible for coalescing) and a GQA one as no row (-1).
+            self.region_row_offsets = [
+                0 if r.layout == registration.MLA_LAYOUT else -1 for r in regions
+            ]
+            self.opaque_packed_storages = set()
+            self._prepared_transfer_regions.clear()
+
+    def _start_sender_listener(self) -> None:
+        ready = threading.Event()
+        future = upstream.asyncio.run_coroutine_threadsafe(
+            self._mooncake_sender_listener(ready), self.sender_loop
+        )
+        deadline = time.monotonic() + LISTENER_READY_TIMEOUT_S
+        while not ready.wait(timeout=1.0):
+            if future.done():
+                future.result()
+                raise RuntimeError("Mooncake sender listener exited before ready.")
+            if time.monotonic() > deadline:
+                future.cancel()
+                raise RuntimeError(
+                    f"Mooncake sender listener not ready in {LISTENER_READY_TIMEOUT_S}s"
+                )
+
+    def _describe_regions(
+        self, kv_caches: dict[str, torch.Tensor]
+    ) -> list[registration.Region]:
+        mla = self._mla_layers(kv_caches)
+        kv_lens = getattr(self, "kv_block_len_per_layer", self.block_len_per_layer)
+        names = getattr(self, "registered_layer_names", None) or list(kv_caches)
+        return [
+            registration.Region(
+                name,
+                registration.MLA_LAYOUT if name in mla else registration.GQA_LAYOUT,
+                base,
+                block_len,
+                kv_len,
+            )
+            for name, base, block_len, kv_len in zip(
+                names,
+                self.kv_caches_base_addr,
+                self.block_len_per_layer,
+                kv_lens,
+                strict=True,
+            )
+        ]
+
+    def _region_map(self, kv_caches: dict[str, torch.Tensor]) -> RegionMap:
+        spans = []
+        for region in self.regions:
+            cache = kv_caches.get(region.layer_name)
+            end = (
+                cache.untyped_storage().data_ptr() + cache.untyped_storage().nbytes()
+                if cache is not None
+                else region.base_addr + region.block_len
+            )
+            spans.append((region.base_addr, end, region.layer_name, region.layout))
+        return RegionMap(spans)
+
+    def _log_region_report(self) -> None:
+        kernel = getattr(self, "kernel_block_size", self.block_size)
+        path = "backport (PR 39596)" if self.backport else "upstream"
+        logger.info(
+            "PD Mooncake: %d KV regions registered, kernel block size %d, "
+            "registration %s",
+            len(self.regions),
+            kernel,
+            path,
+        )
+        for region in self.regions:
+            logger.info(
+                "PD Mooncake region: layer=%s layout=%s bytes_per_block=%d "
+                "kernel_block_size=%d",
+                region.layer_name,
+                region.layout,
+                region.kv_block_len,
+                kernel,
+            )
+
+    # -- transfer -------------------------------------------------------------
+    def _send_blocks(
+        self,
+        remote_session: str,
+        src_ptrs: list[int],
+        dst_ptrs: list[int],
+        lengths: list[int],
+    ) -> int:
+        # Lets the stats attribute these bytes to regions (see metrics).
+        with sending_descriptors(src_ptrs, lengths):
+            return super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
+
+    def process_pulling_result(self, response: Any, pull_metas: dict) -> None:
+        if self.fault == faults.CORRUPT_RECEIVED_KV:
+            self._corrupt(response, pull_metas)
+        super().process_pulling_result(response, pull_metas)
+
+    def _corrupt(self, response: Any, pull_metas: dict) -> None:
+        ratio = getattr(self, "_physical_blocks_per_logical_kv_block", 1)
+        for req_id in response.ok_reqs or []:
+            meta = pull_metas.get(req_id)
+            if meta is None:
+                continue
+            logical = [b for group in meta.local_block_ids for b in group]
+            hit = faults.corrupt_blocks(
+                self.device_kv_caches, registration.kernel_block_ids(logical, ratio)
+            )
+            logger.warning(
+                "TEST FAULT: corrupted %d received blocks of %s", hit, req_id
+            )
+
+
+class PDMooncakeConnector(upstream.MooncakeConnector):
+    def __init__(self, vllm_config: Any, role: Any, *args: Any, **kwargs: Any) -> None:
+        # Fail at start-up on a bad extra config, in every role and process.
+        extra_config.validate(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        with _upstream_builds(PDMooncakeConnectorWorker):
+            super().__init__(vllm_config, role, *args, **kwargs)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return PDMooncakeStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ):
+        return PDMooncakePromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )

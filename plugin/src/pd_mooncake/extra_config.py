@@ -1,0 +1,70 @@
+"""Validation of ``kv_connector_extra_config`` at start-up.
+
+Upstream reads these keys with ``dict.get`` and a default, so a typo such as
+``"mooncake_protocl"`` silently falls back to RDMA and fails much later, far
+from its cause. Here every key is checked once, before anything starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+PROTOCOLS = ("tcp", "rdma")
+
+# Keys the vLLM 0.32 MooncakeConnector reads, with their expected types.
+UPSTREAM_KEYS: dict[str, type | tuple[type, ...]] = {
+    "mooncake_protocol": str,
+    "device_name": str,
+    "num_workers": int,
+    "bootstrap_server_address": str,
+}
+# Keys this plugin adds.
+PLUGIN_KEYS: dict[str, type | tuple[type, ...]] = {
+    # Force the mixed MLA + Eagle registration backport even where upstream
+    # has the fix; for tests that compare the two paths.
+    "force_registration_backport": bool,
+}
+KNOWN_KEYS = {**UPSTREAM_KEYS, **PLUGIN_KEYS}
+
+
+class ExtraConfigError(ValueError):
+    """A bad ``kv_connector_extra_config``; the message names the key."""
+
+
+def validate(extra: Mapping[str, Any]) -> None:
+    for key, value in extra.items():
+        expected = KNOWN_KEYS.get(key)
+        if expected is None:
+            close = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ExtraConfigError(
+                f"kv_connector_extra_config: unknown key {key!r}{hint} "
+                f"(known: {', '.join(sorted(KNOWN_KEYS))})"
+            )
+        # bool is an int subclass: do not let True pass as a worker count.
+        if not isinstance(value, expected) or (
+            expected is int and isinstance(value, bool)
+        ):
+            raise ExtraConfigError(
+                f"kv_connector_extra_config[{key!r}] must be "
+                f"{_type_name(expected)}, got {value!r}"
+            )
+    protocol = extra.get("mooncake_protocol", "rdma")
+    if protocol not in PROTOCOLS:
+        raise ExtraConfigError(
+            f"kv_connector_extra_config['mooncake_protocol'] must be one of "
+            f"{', '.join(PROTOCOLS)}, got {protocol!r}"
+        )
+    workers = extra.get("num_workers", 1)
+    if workers < 1:
+        raise ExtraConfigError(
+            f"kv_connector_extra_config['num_workers'] must be >= 1, got {workers}"
+        )
+
+
+def _type_name(expected: type | tuple[type, ...]) -> str:
+    if isinstance(expected, tuple):
+        return " or ".join(t.__name__ for t in expected)
+    return expected.__name__

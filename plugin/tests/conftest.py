@@ -1,0 +1,132 @@
+"""Shared fixtures: real Mooncake TransferEngines over TCP on loopback and
+mixed MLA + GQA KV tensors shaped like a DeepSeek target with an Eagle draft."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import zmq.asyncio
+
+pytest.importorskip("vllm")
+from mooncake.engine import TransferEngine
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+)
+
+import pd_mooncake
+
+MLA_LAYER = "model.layers.0.self_attn.attn"
+DRAFT_LAYER = "model.layers.8.self_attn.attn"
+NUM_BLOCKS = 2
+BLOCK_SIZE = 16
+
+
+class RecordingEngine:
+    """A real TransferEngine that also remembers what was registered."""
+
+    def __init__(self) -> None:
+        self.engine = TransferEngine()
+        if self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("Mooncake TransferEngine did not initialize on TCP")
+        self.registered: list[tuple[list[int], list[int]]] = []
+
+    def batch_register_memory(self, ptrs: list[int], lens: list[int]) -> int:
+        self.registered.append((list(ptrs), list(lens)))
+        return self.engine.batch_register_memory(ptrs, lens)
+
+    def batch_unregister_memory(self, ptrs: list[int]) -> int:
+        return self.engine.batch_unregister_memory(ptrs)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def plugin_registered() -> None:
+    pd_mooncake.register()
+
+
+@pytest.fixture
+def engine() -> Iterator[RecordingEngine]:
+    recorder = RecordingEngine()
+    yield recorder
+    for ptrs, _ in recorder.registered:
+        recorder.batch_unregister_memory(ptrs)
+
+
+def mixed_caches() -> dict[str, torch.Tensor]:
+    """MLA latent cache (blocks, block, latent) and GQA draft cache (blocks,
+    block, heads, dim): the draft's shape[-2] is its head count, not 16."""
+    generator = torch.Generator().manual_seed(0)
+    return {
+        MLA_LAYER: torch.randn(NUM_BLOCKS, BLOCK_SIZE, 96, generator=generator),
+        DRAFT_LAYER: torch.randn(NUM_BLOCKS, BLOCK_SIZE, 8, 64, generator=generator),
+    }
+
+
+def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
+    mla = MLAAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=96, dtype=torch.float32
+    )
+    # K and V halves: 2 * 16 * 4 * 64 floats = one (16, 8, 64) block.
+    gqa = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=4, head_size=64, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([MLA_LAYER], mla),
+            KVCacheGroupSpec([DRAFT_LAYER], gqa, is_eagle_group=True),
+        ],
+    )
+
+
+def make_worker(
+    cls: type, engine: Any, *, backport: bool, ratio: int = 1, consumer: bool = True
+) -> Any:
+    """A worker with only the state registration reads (MLA topology set).
+
+    The full constructor needs a running vLLM (distributed groups, bootstrap
+    server); registration itself only needs these fields.
+    """
+    config = kv_cache_config()
+    worker = object.__new__(cls)
+    worker.use_mla = True
+    worker.engine = engine
+    worker.is_kv_consumer = consumer
+    worker.is_kv_producer = not consumer
+    # What shutdown() (run by __del__) touches.
+    worker.async_zmq_ctx = zmq.asyncio.Context()
+    worker.receiver_loop = asyncio.new_event_loop()
+    # Registration state as upstream's constructor initialises it.
+    for name in (
+        "block_len_per_layer",
+        "kv_block_len_per_layer",
+        "registered_layer_names",
+        "registered_layer_indices",
+        "registered_group_indices",
+        "region_shared_groups",
+        "region_row_offsets",
+    ):
+        setattr(worker, name, [])
+    worker.block_size = BLOCK_SIZE
+    worker.kv_cache_config = config
+    worker._physical_blocks_per_logical_kv_block = ratio
+    worker._layer_specs = {
+        name: group.kv_cache_spec
+        for group in config.kv_cache_groups
+        for name in group.layer_names
+    }
+    worker._prepared_transfer_regions = {}
+    worker.backport = backport
+    worker.fault = None
+    worker.regions = []
+    from pd_mooncake.metrics import PDMooncakeStats
+
+    worker.xfer_stats = PDMooncakeStats()
+    return worker
