@@ -1,12 +1,13 @@
 """The stack's configuration, read from configs/: the one source of every vLLM flag.
 
 Compose (through ``pdstack.serve`` inside the image) and the CPU twin both
-call :func:`vllm_args`, so what CI tests is what users deploy; the only
+call :func:`vllm_flags`, so what CI tests is what users deploy; the only
 differences are ``configs/targets/<target>.yaml``, kept in one visible place.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Mapping
@@ -122,15 +123,35 @@ def render(flags: Mapping[str, Any], substitutions: Mapping[str, str]) -> list[s
     return argv
 
 
-def vllm_args(
-    role: str,
-    profile_name: str,
-    target_name: str,
-    substitutions: Mapping[str, str],
-    port: int,
-) -> list[str]:
-    flags = vllm_flags(role, profile_name, target_name)
-    return [*render(flags, substitutions), "--port", str(port)]
+# Site settings that cannot live in configs/ (they differ per host), set in
+# .env by compose: environment variable -> (flag, key inside it or None, type).
+ENV_OVERRIDES: dict[str, tuple[str, str | None, type]] = {
+    "PD_MOONCAKE_PROTOCOL": ("kv-transfer-config", "mooncake_protocol", str),
+    "PD_MOONCAKE_DEVICE": ("kv-transfer-config", "device_name", str),
+    "PD_GPU_MEMORY_UTILIZATION": ("gpu-memory-utilization", None, float),
+}
+
+
+def with_env_overrides(
+    flags: Mapping[str, Any], env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``flags`` with the ENV_OVERRIDES that are set (non-empty) applied."""
+    env = os.environ if env is None else env
+    out = copy.deepcopy(dict(flags))
+    for var, (flag, key, kind) in ENV_OVERRIDES.items():
+        raw = env.get(var, "")
+        if not raw:
+            continue
+        try:
+            value = kind(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{var}={raw!r}: expected {kind.__name__}") from exc
+        if key is None:
+            out[flag] = value
+        else:
+            extra = out.setdefault(flag, {}).setdefault("kv_connector_extra_config", {})
+            extra[key] = value
+    return out
 
 
 def server_env(role: str, target_name: str, bootstrap_port: int) -> dict[str, str]:

@@ -30,13 +30,16 @@ def command(role: str, profile: str, target: str, host: str) -> tuple[list[str],
         }
     ports = config.ports()
     port = ports.prefill if role == "prefill" else ports.decode
+    flags = config.with_env_overrides(config.vllm_flags(role, profile, target))
     argv = [
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--host",
         host,
-        *config.vllm_args(role, profile, target, substitutions, port),
+        *config.render(flags, substitutions),
+        "--port",
+        str(port),
     ]
     return argv, config.server_env(role, target, ports.bootstrap)
 

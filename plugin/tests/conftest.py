@@ -124,7 +124,6 @@ def make_worker(
     }
     worker._prepared_transfer_regions = {}
     worker.backport = backport
-    worker.fault = None
     worker.regions = []
     from pd_mooncake.metrics import PDMooncakeStats
 

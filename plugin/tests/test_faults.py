@@ -25,3 +25,16 @@ def test_corrupts_exactly_the_given_blocks() -> None:
     for cache in caches.values():
         touched = [b for b in range(6) if torch.count_nonzero(cache[b])]
         assert touched == [1, 4]
+
+
+def test_fault_file_switches_on_and_off(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    switch = tmp_path / "fault"
+    monkeypatch.delenv(faults.FAULT_ENV, raising=False)
+    monkeypatch.setenv(faults.FAULT_FILE_ENV, str(switch))
+    assert faults.active_fault() is None
+    switch.write_text(faults.CORRUPT_RECEIVED_KV)
+    assert faults.active_fault() == faults.CORRUPT_RECEIVED_KV
+    switch.unlink()
+    assert faults.active_fault() is None

@@ -56,7 +56,6 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         self.backport = bool(extra.get("force_registration_backport")) or (
             not registration.upstream_has_fix(upstream.MooncakeConnectorWorker)
         )
-        self.fault = faults.active_fault()
         self.xfer_stats = PDMooncakeStats()
         self.regions: list[registration.Region] = []
         if not hasattr(self, "_physical_blocks_per_logical_kv_block"):
@@ -232,7 +231,7 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
             return super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
 
     def process_pulling_result(self, response: Any, pull_metas: dict) -> None:
-        if self.fault == faults.CORRUPT_RECEIVED_KV:
+        if faults.active_fault() == faults.CORRUPT_RECEIVED_KV:
             self._corrupt(response, pull_metas)
         super().process_pulling_result(response, pull_metas)
 

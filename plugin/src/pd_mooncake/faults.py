@@ -1,8 +1,10 @@
 """Test-only fault switch: corrupt KV right after decode receives it.
 
-Off unless ``PD_MOONCAKE_FAULT=corrupt_received_kv`` is set in the decode
-server's environment. It exists so the e2e suite can show that its
-correctness check catches wrong KV (a detector needs a negative control).
+Off unless the decode server's environment sets it, either for the whole
+run (``PD_MOONCAKE_FAULT=corrupt_received_kv``) or while a file exists
+(``PD_MOONCAKE_FAULT_FILE=/path``; the file holds the fault's name), so a
+test can switch it on and off without restarting the server. It exists so
+the e2e suite can show that its correctness check catches wrong KV.
 Corrupting on the decode side leaves prefill's own cache, and so any
 reference output computed on prefill, untouched.
 """
@@ -12,10 +14,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 
 FAULT_ENV = "PD_MOONCAKE_FAULT"
+FAULT_FILE_ENV = "PD_MOONCAKE_FAULT_FILE"
 CORRUPT_RECEIVED_KV = "corrupt_received_kv"
 KNOWN_FAULTS = (CORRUPT_RECEIVED_KV,)
 
@@ -23,13 +27,18 @@ logger = logging.getLogger(__name__)
 
 
 def active_fault() -> str | None:
+    """The fault switched on now, if any (checked on every received transfer)."""
     fault = os.environ.get(FAULT_ENV) or None
+    path = os.environ.get(FAULT_FILE_ENV)
+    if fault is None and path:
+        try:
+            fault = Path(path).read_text().strip() or None
+        except FileNotFoundError:
+            return None
     if fault is not None and fault not in KNOWN_FAULTS:
         raise ValueError(
             f"{FAULT_ENV}={fault!r} is not a known fault ({', '.join(KNOWN_FAULTS)})"
         )
-    if fault is not None:
-        logger.warning("TEST FAULT ACTIVE: %s=%s; KV will be wrong", FAULT_ENV, fault)
     return fault
 
 

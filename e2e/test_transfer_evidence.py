@@ -1,0 +1,68 @@
+"""Evidence that each request's KV crossed from prefill to decode.
+
+Decode: the prompt's tokens counted as loaded from an external KV transfer,
+none computed locally. Prefill: this plugin's transfer metrics show one
+successful transfer, no failures, the bytes the model's KV layout predicts,
+and bytes in the draft's GQA region as well as the MLA ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import Stack
+from pdstack import client, kv_layout
+from pdstack import metrics as m
+
+LENGTHS = [5, 16, 33, 200]
+
+
+def pd_request(stack: Stack, prompt: list[int]) -> tuple[m.Snapshot, m.Snapshot]:
+    """One request through the router; the (decode, prefill) metric deltas."""
+    decode0, prefill0 = m.scrape(stack.decode), m.scrape(stack.prefill)
+    client.complete(stack.router, prompt, max_tokens=8)
+    decode = m.settle(
+        stack.decode,
+        decode0,
+        lambda d: d.total(m.PROMPT_TOKENS_BY_SOURCE) >= len(prompt),
+    )
+    prefill = m.settle(stack.prefill, prefill0, lambda d: d.total(m.TRANSFERS) >= 1)
+    return decode, prefill
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_decode_loads_the_prompt_from_prefill(stack: Stack, length: int) -> None:
+    prompt = stack.prompt(length, salt=1000 + length)
+    decode, _ = pd_request(stack, prompt)
+    by_source = decode.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
+    external = decode.total(m.EXTERNAL_HITS)
+    print(
+        f"{length}-token prompt: decode sources {by_source}, external hits {external}"
+    )
+    loaded = kv_layout.tokens_loaded(length)
+    assert by_source.get("external_kv_transfer", 0) == loaded
+    assert external == loaded
+    assert by_source.get("local_compute", 0) == length - loaded
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_prefill_transfer_metrics(stack: Stack, length: int) -> None:
+    prompt = stack.prompt(length, salt=2000 + length)
+    _, prefill = pd_request(stack, prompt)
+    regions = prefill.by_label(m.REGION_BYTES, "layout")
+    expected = kv_layout.transfer_bytes(kv_layout.tokens_loaded(length))
+    print(
+        f"{length}-token prompt: {prefill.total(m.TRANSFERS):.0f} transfer(s), "
+        f"{prefill.total(m.BYTES):.0f} bytes (layout predicts {expected}), "
+        f"by layout {regions}"
+    )
+    assert prefill.total(m.TRANSFERS) == 1
+    assert prefill.total(m.FAILED_TRANSFERS) == 0
+    assert prefill.total(m.FAILED_RECVS) == 0
+    assert prefill.total(m.BYTES) == expected
+    assert regions.get(kv_layout.MLA, 0) == expected - kv_layout.draft_bytes(
+        kv_layout.tokens_loaded(length)
+    )
+    assert regions.get(kv_layout.GQA, 0) == kv_layout.draft_bytes(
+        kv_layout.tokens_loaded(length)
+    )

@@ -1,0 +1,60 @@
+"""OpenAI-style completions against the stack, with the token ids vLLM returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import requests
+
+MODEL = "pd-model"
+REQUEST_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+class CompletionError(RuntimeError):
+    pass
+
+
+def complete(
+    base_url: str,
+    prompt: list[int] | str,
+    max_tokens: int = 16,
+    timeout: float = REQUEST_TIMEOUT_S,
+    **extra: object,
+) -> Completion:
+    """Greedy completion: temperature 0, so P/D must equal colocated exactly."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        # Stop only at max_tokens, so every compared output has the same length.
+        "ignore_eos": True,
+        **extra,
+    }
+    response = requests.post(f"{base_url}/v1/completions", json=body, timeout=timeout)
+    if response.status_code != 200:
+        raise CompletionError(
+            f"{base_url}: HTTP {response.status_code}: {response.text[:500]}"
+        )
+    choice = response.json()["choices"][0]
+    if choice.get("token_ids") is None:
+        raise CompletionError(f"{base_url}: no token_ids in {choice}")
+    return Completion(choice["token_ids"], choice["text"], choice.get("finish_reason"))
+
+
+def tokenize(base_url: str, text: str) -> list[int]:
+    response = requests.post(
+        f"{base_url}/tokenize",
+        json={"model": MODEL, "prompt": text, "add_special_tokens": False},
+        timeout=30,
+    )
+    response.raise_for_status()
+    return response.json()["tokens"]

@@ -1,0 +1,86 @@
+"""Reading Prometheus /metrics: the evidence that KV crossed from prefill to decode."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+# Decode: prompt tokens loaded from prefill rather than computed.
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+# Decode: speculative decoding.
+SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
+SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+# Prefill: this plugin's Mooncake transfer metrics.
+TRANSFERS = "vllm:mooncake_transfers_total"
+BYTES = "vllm:mooncake_bytes_transferred_total"
+FAILED_TRANSFERS = "vllm:mooncake_failed_transfers_total"
+FAILED_RECVS = "vllm:mooncake_failed_recvs_total"
+EXPIRED = "vllm:mooncake_expired_requests_total"
+REGION_BYTES = "vllm:mooncake_region_bytes_total"
+TRANSFER_SECONDS = "vllm:mooncake_transfer_time_seconds_sum"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+
+Labels = frozenset[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    samples: Mapping[tuple[str, Labels], float]
+
+    def total(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples whose labels include ``labels``."""
+        want = set(labels.items())
+        return sum(
+            value
+            for (sample, have), value in self.samples.items()
+            if sample == name and want <= have
+        )
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (sample, have), value in self.samples.items():
+            if sample == name:
+                key = dict(have).get(label, "")
+                out[key] = out.get(key, 0.0) + value
+        return out
+
+    def __sub__(self, before: Snapshot) -> Snapshot:
+        keys = set(self.samples) | set(before.samples)
+        return Snapshot(
+            {k: self.samples.get(k, 0.0) - before.samples.get(k, 0.0) for k in keys}
+        )
+
+
+def scrape(base_url: str, timeout: float = 10.0) -> Snapshot:
+    response = requests.get(f"{base_url}/metrics", timeout=timeout)
+    response.raise_for_status()
+    samples: dict[tuple[str, Labels], float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return Snapshot(samples)
+
+
+def settle(
+    base_url: str,
+    before: Snapshot,
+    done: Callable[[Snapshot], bool],
+    deadline_s: float = 20.0,
+) -> Snapshot:
+    """Scrape until ``done(delta)``; stats reach /metrics a moment after a reply.
+
+    Returns the last delta either way: the caller's assertions say what is
+    missing, with the numbers.
+    """
+    end = time.monotonic() + deadline_s
+    while True:
+        delta = scrape(base_url) - before
+        if done(delta) or time.monotonic() > end:
+            return delta
+        time.sleep(0.25)

