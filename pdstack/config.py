@@ -164,16 +164,19 @@ def server_env(role: str, target_name: str, bootstrap_port: int) -> dict[str, st
 def router_args(
     prefill_url: str, bootstrap_port: int, decode_url: str, host: str, port: int
 ) -> list[str]:
+    """vllm-router's flags; each URL may be a comma-separated list of replicas."""
     flags = _load(CONFIGS / "router.yaml")
-    return [
-        *render(flags, {}),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--prefill",
-        prefill_url,
-        str(bootstrap_port),
-        "--decode",
-        decode_url,
-    ]
+    argv = [*render(flags, {}), "--host", host, "--port", str(port)]
+    for url in _split(prefill_url):
+        # Every prefill replica runs its own Mooncake bootstrap server.
+        argv += ["--prefill", url, str(bootstrap_port)]
+    for url in _split(decode_url):
+        argv += ["--decode", url]
+    return argv
+
+
+def _split(urls: str) -> list[str]:
+    parts = [u.strip() for u in urls.split(",") if u.strip()]
+    if not parts:
+        raise ConfigError(f"no backend URL in {urls!r}")
+    return parts

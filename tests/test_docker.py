@@ -385,3 +385,26 @@ def test_serving_entrypoint_exports_the_api_key_file(tmp_path: Path) -> None:
 
 def test_serving_entrypoint_is_executable() -> None:
     assert os.access(ENTRYPOINT_SCRIPT, os.X_OK)
+
+
+def test_router_args_take_replica_lists() -> None:
+    from pdstack import config
+
+    argv = config.router_args(
+        "http://p0:8100, http://p1:8100", 8998, "http://d0:8200", "h", 1
+    )
+    tail = argv[argv.index("--prefill") :]
+    assert tail == [
+        "--prefill", "http://p0:8100", "8998",
+        "--prefill", "http://p1:8100", "8998",
+        "--decode", "http://d0:8200",
+    ]  # fmt: skip
+
+
+def test_router_args_reject_an_empty_backend_list() -> None:
+    import pytest
+
+    from pdstack import config
+
+    with pytest.raises(config.ConfigError, match="no backend URL"):
+        config.router_args(" , ", 8998, "http://d0:8200", "h", 1)
