@@ -10,8 +10,10 @@ from conftest import Stack
 from pdstack import client
 
 BLOCK = 16
-# Shorter than a block, exactly k blocks, k blocks + 1, and long enough to be
-# prefilled in several chunks (max-num-batched-tokens on the twin is 512).
+# Shorter than a block, exactly k blocks, k blocks + 1, and a long prompt. On
+# GPU hosts the long one is prefilled in several chunks (vLLM's default token
+# budget per step is smaller); on CPU, vLLM disables chunked prefill for MLA
+# models, so there it is one step.
 LENGTHS = {
     "under-one-block": 5,
     "exact-blocks": 4 * BLOCK,

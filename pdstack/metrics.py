@@ -50,6 +50,13 @@ class Snapshot:
                 out[key] = out.get(key, 0.0) + value
         return out
 
+    def labels_of(self, name: str) -> dict[str, str]:
+        """The labels of the first sample of ``name`` (for *_info gauges)."""
+        for sample, labels in self.samples:
+            if sample == name:
+                return dict(labels)
+        return {}
+
     def __sub__(self, before: Snapshot) -> Snapshot:
         keys = set(self.samples) | set(before.samples)
         return Snapshot(

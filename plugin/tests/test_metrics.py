@@ -55,7 +55,10 @@ def exported(data: dict) -> dict[str, float]:
 def recorded_stats() -> metrics.PDMooncakeStats:
     stats = metrics.PDMooncakeStats()
     stats.region_map = metrics.RegionMap(
-        [(1000, 2000, "mla.0", "MLA-latent"), (5000, 9000, "draft", "GQA K/V")]
+        [
+            metrics.RegionPages("mla.0", "MLA-latent", 1000, 500, 100, 2),
+            metrics.RegionPages("draft", "GQA K/V", 5000, 400, 400, 10),
+        ]
     )
     with metrics.sending_descriptors([1000, 1500, 5000], [100, 100, 400]):
         stats.record_transfer(0.002, 600, 3)
@@ -95,5 +98,24 @@ def test_stats_survive_aggregation_across_steps() -> None:
 
 
 def test_address_outside_any_region_is_reported_not_hidden() -> None:
-    region_map = metrics.RegionMap([(0, 10, "a", "MLA-latent")])
-    assert region_map.locate(10) == ("unregistered", "unknown")
+    region_map = metrics.RegionMap(
+        [metrics.RegionPages("a", "MLA-latent", 0, 10, 10, 1)]
+    )
+    assert region_map.attribute(10, 5) == [("unregistered", "unknown", 5)]
+
+
+def test_a_coalesced_descriptor_is_split_across_interleaved_layers() -> None:
+    """Block-major layout: each 300-byte block holds layer a (100 bytes), layer
+    b (100 bytes) and 100 bytes of padding; a descriptor of two whole blocks
+    counts 200 bytes for each layer and the padding as unregistered."""
+    region_map = metrics.RegionMap(
+        [
+            metrics.RegionPages("a", "MLA-latent", 0, 300, 100, 4),
+            metrics.RegionPages("b", "GQA K/V", 100, 300, 100, 4),
+        ]
+    )
+    assert region_map.attribute(300, 600) == [
+        ("a", "MLA-latent", 200),
+        ("b", "GQA K/V", 200),
+        ("unregistered", "unknown", 200),
+    ]

@@ -86,7 +86,7 @@ def test_upstream_path_is_default_where_upstream_has_the_fix(engine) -> None:
 
 def test_region_report_names_every_region(engine, caplog) -> None:
     worker = make_worker(PDMooncakeConnectorWorker, engine, backport=True)
-    with caplog.at_level(logging.INFO, logger="pd_mooncake"):
+    with caplog.at_level(logging.INFO, logger="vllm.pd_mooncake"):
         worker.register_kv_caches(mixed_caches())
     lines = [r.getMessage() for r in caplog.records if "region: layer=" in r.message]
     assert lines == [

@@ -14,7 +14,7 @@ CONNECTOR_NAME = "PDMooncakeConnector"
 # Kill switch: set to 1 to register nothing and patch nothing (upstream only).
 DISABLE_ENV = "PD_MOONCAKE_DISABLE"
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 def register() -> None:

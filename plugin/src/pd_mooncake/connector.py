@@ -22,10 +22,12 @@ from pd_mooncake.metrics import (
     PDMooncakePromMetrics,
     PDMooncakeStats,
     RegionMap,
+    RegionPages,
     sending_descriptors,
 )
 
-logger = logging.getLogger("pd_mooncake")
+# Under "vllm." so vLLM's logging configuration (handler, level) applies.
+logger = logging.getLogger("vllm.pd_mooncake")
 
 # How long the producer waits for its ZMQ listener before failing start-up.
 LISTENER_READY_TIMEOUT_S = 120.0
@@ -79,7 +81,7 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         else:
             super().register_kv_caches(kv_caches)
         self.regions = self._describe_regions(kv_caches)
-        self.xfer_stats.region_map = self._region_map(kv_caches)
+        self.xfer_stats.region_map = self._region_map()
         self._log_region_report()
 
     def _mla_layers(self, kv_caches: dict[str, torch.Tensor]) -> set[str]:
@@ -186,17 +188,24 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
             )
         ]
 
-    def _region_map(self, kv_caches: dict[str, torch.Tensor]) -> RegionMap:
-        spans = []
-        for region in self.regions:
-            cache = kv_caches.get(region.layer_name)
-            end = (
-                cache.untyped_storage().data_ptr() + cache.untyped_storage().nbytes()
-                if cache is not None
-                else region.base_addr + region.block_len
-            )
-            spans.append((region.base_addr, end, region.layer_name, region.layout))
-        return RegionMap(spans)
+    def _region_map(self) -> RegionMap:
+        ratio = getattr(self, "_physical_blocks_per_logical_kv_block", 1)
+        num_blocks = getattr(self, "num_blocks", None) or (
+            self.kv_cache_config.num_blocks * ratio
+        )
+        return RegionMap(
+            [
+                RegionPages(
+                    r.layer_name,
+                    r.layout,
+                    r.base_addr,
+                    r.block_len,
+                    r.kv_block_len,
+                    num_blocks,
+                )
+                for r in self.regions
+            ]
+        )
 
     def _log_region_report(self) -> None:
         kernel = getattr(self, "kernel_block_size", self.block_size)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")
 
 CPU_ATTN_BLOCK_BASE = 16
 

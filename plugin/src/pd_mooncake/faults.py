@@ -23,7 +23,7 @@ FAULT_FILE_ENV = "PD_MOONCAKE_FAULT_FILE"
 CORRUPT_RECEIVED_KV = "corrupt_received_kv"
 KNOWN_FAULTS = (CORRUPT_RECEIVED_KV,)
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 def active_fault() -> str | None:

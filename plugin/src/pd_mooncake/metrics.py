@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -40,18 +41,52 @@ BYTES_BUCKETS = tuple(float(2**p) for p in range(12, 36, 2))
 _sending = threading.local()
 
 
+@dataclass(frozen=True)
+class RegionPages:
+    """Where one registered region's pages lie: block b's page is
+    ``[base + b * stride, base + b * stride + page)``."""
+
+    name: str
+    layout: str
+    base: int
+    stride: int
+    page: int
+    num_blocks: int
+
+
+UNREGISTERED = ("unregistered", "unknown")
+
+
 class RegionMap:
-    """Maps a source address to the registered region that holds it."""
+    """Attributes a descriptor's bytes to the regions whose pages it covers.
 
-    def __init__(self, spans: Sequence[tuple[int, int, str, str]]) -> None:
-        # (start, end, layer name, layout), sorted by start.
-        self.spans = sorted(spans)
+    Upstream coalesces adjacent blocks, and on block-major layouts one
+    descriptor spans the pages of every layer, so a descriptor is split by
+    overlap rather than located by its start address.
+    """
 
-    def locate(self, addr: int) -> tuple[str, str]:
-        for start, end, name, layout in self.spans:
-            if start <= addr < end:
-                return name, layout
-        return "unregistered", "unknown"
+    def __init__(self, regions: Sequence[RegionPages]) -> None:
+        self.regions = list(regions)
+
+    def attribute(self, addr: int, length: int) -> list[tuple[str, str, int]]:
+        end = addr + length
+        out: list[tuple[str, str, int]] = []
+        for r in self.regions:
+            if r.stride <= 0 or r.page <= 0:
+                continue
+            # Blocks whose page can intersect [addr, end).
+            first = max(0, (addr - r.base - r.page) // r.stride + 1)
+            last = min(r.num_blocks - 1, (end - 1 - r.base) // r.stride)
+            covered = 0
+            for block in range(first, last + 1):
+                start = r.base + block * r.stride
+                covered += max(0, min(end, start + r.page) - max(addr, start))
+            if covered:
+                out.append((r.name, r.layout, covered))
+        rest = length - sum(n for _, _, n in out)
+        if rest > 0:
+            out.append((*UNREGISTERED, rest))
+        return out
 
 
 class PDMooncakeStats(MooncakeKVConnectorStats):
@@ -69,8 +104,7 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
             self.data["num_descriptors"].append(num_descs)
             if src is not None and self.region_map is not None:
                 for addr, length in zip(*src, strict=True):
-                    name, layout = self.region_map.locate(addr)
-                    self.data[REGION_BYTES].append((name, layout, length))
+                    self.data[REGION_BYTES] += self.region_map.attribute(addr, length)
 
     def clone_and_reset(self) -> PDMooncakeStats:
         with self._lock:

@@ -1,0 +1,78 @@
+"""configs/ rendering: the one source of every vLLM flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdstack import config
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_roles_differ_only_in_kv_role() -> None:
+    prefill = config.vllm_flags("prefill", "tiny", "cpu")
+    decode = config.vllm_flags("decode", "tiny", "cpu")
+    assert {k for k in prefill if prefill[k] != decode[k]} == {"kv-transfer-config"}
+    assert prefill["kv-transfer-config"]["kv_role"] == "kv_producer"
+    assert decode["kv-transfer-config"]["kv_role"] == "kv_consumer"
+    assert prefill["kv-transfer-config"]["kv_connector"] == "PDMooncakeConnector"
+
+
+def test_render_turns_mappings_into_json_and_true_into_bare_flags() -> None:
+    argv = config.render(
+        {"enforce-eager": True, "x": False, "cfg": {"a": "{p}"}, "n": 3}, {"p": "/m"}
+    )
+    assert argv == ["--enforce-eager", "--cfg", '{"a":"/m"}', "--n", "3"]
+
+
+def test_cpu_twin_keeps_kv_traffic_on_loopback() -> None:
+    """Mooncake advertises get_ip(); unset, that is the first interface."""
+    env = config.server_env("prefill", "cpu", 8998)
+    assert env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "8998"
+
+
+def test_env_overrides_reach_the_connector_config() -> None:
+    flags = config.with_env_overrides(
+        config.vllm_flags("decode", "tiny", "gpu"),
+        {"PD_MOONCAKE_PROTOCOL": "rdma", "PD_MOONCAKE_DEVICE": "mlx5_0"},
+    )
+    extra = flags["kv-transfer-config"]["kv_connector_extra_config"]
+    assert extra == {"mooncake_protocol": "rdma", "device_name": "mlx5_0"}
+    argv = config.render(flags, {"tiny_target": "t", "tiny_draft": "d"})
+    rendered = json.loads(flag_value(argv, "--kv-transfer-config"))
+    assert rendered["kv_connector_extra_config"]["device_name"] == "mlx5_0"
+    # The override did not leak into the loaded configuration.
+    base = config.vllm_flags("decode", "tiny", "gpu")
+    assert base["kv-transfer-config"]["kv_connector_extra_config"] == {
+        "mooncake_protocol": "tcp"
+    }
+
+
+def test_bad_override_names_the_variable() -> None:
+    with pytest.raises(config.ConfigError, match="PD_GPU_MEMORY_UTILIZATION"):
+        config.with_env_overrides({}, {"PD_GPU_MEMORY_UTILIZATION": "most"})
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: config.vllm_flags("router", "tiny", "cpu"), "unknown role"),
+        (lambda: config.vllm_flags("prefill", "huge", "cpu"), "unknown profile"),
+        (lambda: config.vllm_flags("prefill", "tiny", "tpu"), "unknown target"),
+    ],
+)
+def test_unknown_names_are_config_errors(call, message: str) -> None:
+    with pytest.raises(config.ConfigError, match=message):
+        call()
+
+
+def test_ports_come_from_ports_env_and_the_environment_wins() -> None:
+    assert config.ports({}) == config.Ports(8000, 8100, 8200, 8998)
+    assert config.ports({"DECODE_PORT": "9200"}).decode == 9200
+    with pytest.raises(config.ConfigError, match="bad or missing port"):
+        config.ports({"ROUTER_PORT": "http"})
