@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pdstack import client, twin, wait
+from pdstack import client, tiny_model, twin, wait
 
 E2E_RUN_DIR = Path(__file__).resolve().parent.parent / "run" / "e2e"
 # The plugin's test-only fault switch on the twin's decode: on while it exists.
@@ -69,6 +69,16 @@ def _corpus_tokens(url: str) -> list[int]:
     if url not in _TOKENS:
         _TOKENS[url] = client.tokenize(url, CORPUS * 4)
     return _TOKENS[url]
+
+
+@pytest.fixture(scope="session")
+def probes() -> list[tiny_model.Probe]:
+    """Prompts the tiny draft was fitted on, with the target's greedy output.
+
+    Generated locally (deterministic: the same bytes as the stack's own copy).
+    The draft predicts the target only on these: a random target is chaotic.
+    """
+    return tiny_model.load_probes(tiny_model.ensure_models(progress=_progress))
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,17 @@
 """Speculative decoding is active on decode, and the draft's KV came across.
 
-The tiny draft's lm_head is fitted to the target, so it is accepted almost
-always; decode then accepts exactly as many draft tokens as a colocated run of
-the same prompt. A draft fed wrong KV (its GQA layer missing or misplaced in
-the transfer) proposes other tokens and the accepted counts part.
+The tiny draft's lm_head is fitted to the target on a set of probe prompts,
+where it is accepted almost always; decode then accepts exactly as many draft
+tokens as a colocated run of the same prompt. A draft fed wrong KV (its GQA
+layer missing or misplaced in the transfer) proposes other tokens and the
+accepted counts part: zeroing the draft's prompt KV drops its accuracy from
+100% to 31% at 16 prompt tokens and to about 1% at 256.
 """
 
 from __future__ import annotations
 
 from conftest import Stack
-from pdstack import client
+from pdstack import client, tiny_model
 from pdstack import metrics as m
 
 MAX_TOKENS = 24
@@ -22,9 +24,13 @@ def accepted(url: str, send_to: str, prompt: list[int]) -> tuple[float, float]:
     return delta.total(m.SPEC_DRAFTS), delta.total(m.SPEC_ACCEPTED)
 
 
-def test_drafts_are_proposed_and_accepted_as_colocated(stack: Stack) -> None:
-    for salt in range(3):
-        prompt = stack.prompt(40 + 9 * salt, salt=3000 + salt)
+def test_drafts_are_proposed_and_accepted_as_colocated(
+    stack: Stack, probes: list[tiny_model.Probe]
+) -> None:
+    # Probes of different lengths: short ones first, then a long one.
+    chosen = sorted(probes, key=lambda p: len(p.prompt))
+    for probe in (chosen[0], chosen[len(chosen) // 2], chosen[-1]):
+        prompt = probe.prompt
         ref_drafts, ref_accepted = accepted(stack.reference, stack.reference, prompt)
         pd_drafts, pd_accepted = accepted(stack.decode, stack.router, prompt)
         print(
@@ -32,7 +38,8 @@ def test_drafts_are_proposed_and_accepted_as_colocated(stack: Stack) -> None:
             f"drafts accepted, P/D decode {pd_accepted:.0f}/{pd_drafts:.0f}"
         )
         assert pd_drafts > 0
-        assert pd_accepted > 0
+        # The fitted draft is accepted on probes: most draft tokens pass.
+        assert pd_accepted >= 0.5 * MAX_TOKENS
         # Compare accepted tokens, not rates: decode counts one extra,
         # always-rejected draft per request.
         assert pd_accepted == ref_accepted

@@ -1,0 +1,251 @@
+"""The tiny model pair: layout vLLM expects, determinism, and the fitted draft.
+
+Most tests share one real generation (1-2 minutes on 2 cores, reused from the
+model cache afterwards). The byte-for-byte reproducibility check generates twice
+more and only runs with PD_TINY_MODEL_REPRO=1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pdstack import tiny_model as tm
+
+SPECIALS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+
+
+@pytest.fixture(scope="module")
+def models() -> tm.TinyModels:
+    return tm.ensure_models(progress=lambda line: print(line, flush=True))
+
+
+@pytest.fixture(scope="module")
+def target(models: tm.TinyModels) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(models.target).eval()
+
+
+def _small_draft(path: Path, drop: str | None = None, extra: str | None = None) -> dict:
+    """A draft checkpoint with a 16-token vocab, optionally damaged."""
+    config = tm.draft_config(16, SPECIALS)
+    weights = tm.init_draft_weights(config)
+    if drop:
+        del weights[drop]
+    if extra:
+        weights[extra] = torch.zeros(1)
+    path.mkdir(parents=True)
+    save_file(weights, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return config
+
+
+# --- no generation needed ---------------------------------------------------------
+def test_kv_bytes_per_token_follow_the_cache_layouts() -> None:
+    # MLA: one 576-float latent per layer; GQA draft: K and V per KV head.
+    assert tm.target_kv_bytes_per_token() == (512 + 64) * 4 * 8
+    assert tm.draft_kv_bytes_per_token() == 2 * 2 * 64 * 4
+
+
+def test_draft_check_accepts_the_full_layout(tmp_path: Path) -> None:
+    _small_draft(tmp_path / "draft")
+    tm.verify_draft_checkpoint(tmp_path / "draft")
+
+
+def test_draft_check_names_a_missing_key(tmp_path: Path) -> None:
+    """Negative control: vLLM itself would load this silently."""
+    _small_draft(tmp_path / "draft", drop="midlayer.self_attn.k_proj.weight")
+    with pytest.raises(tm.DraftCheckpointError, match=r"missing=.*k_proj"):
+        tm.verify_draft_checkpoint(tmp_path / "draft")
+
+
+def test_draft_check_names_unexpected_keys_and_wrong_shapes(tmp_path: Path) -> None:
+    _small_draft(tmp_path / "draft", extra="embed_tokens.weight")
+    with pytest.raises(tm.DraftCheckpointError, match=r"unexpected=.*embed_tokens"):
+        tm.verify_draft_checkpoint(tmp_path / "draft")
+    config = tm.draft_config(16, SPECIALS)
+    shapes = tm.expected_draft_shapes(config) | {"fc.weight": (256, 256)}
+    with pytest.raises(tm.DraftCheckpointError, match=r"wrong_shape=.*fc\.weight"):
+        tm.check_draft_weights(shapes, config)
+
+
+def test_stamp_changes_with_any_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = tm.generator_stamp()
+    assert tm.generator_stamp() == before
+    monkeypatch.setattr(tm, "DRAFT_FC_STD", tm.DRAFT_FC_STD * 2)
+    assert tm.generator_stamp() != before
+
+
+def _fake_generate(calls: list[Path], fail: bool = False) -> Callable[..., dict]:
+    def generate(out_dir: Path, progress: Callable[[str], None]) -> dict:
+        calls.append(out_dir)
+        (out_dir / "target").mkdir(parents=True)
+        (out_dir / "target" / "model.safetensors").write_bytes(b"")
+        if fail:
+            raise KeyboardInterrupt  # as if the generation were killed
+        _small_draft(out_dir / "draft")
+        (out_dir / "draft" / tm.PROBE_FILE).write_text("{}")
+        return {}
+
+    return generate
+
+
+def test_ensure_models_generates_once_then_reuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(tm, "generate", _fake_generate(calls))
+    first = tm.ensure_models(tmp_path, progress=lambda _: None)
+    second = tm.ensure_models(tmp_path, progress=lambda _: None)
+    assert first == second
+    assert len(calls) == 1
+    assert first.target.parent.name.endswith(tm.generator_stamp()[:16])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.target.parent.name]
+
+
+def test_killed_generation_leaves_nothing_that_looks_valid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(tm, "generate", _fake_generate(calls, fail=True))
+    with pytest.raises(KeyboardInterrupt):
+        tm.ensure_models(tmp_path, progress=lambda _: None)
+    assert list(tmp_path.iterdir()) == []
+    # A temp dir really left behind by a SIGKILL is cleared once it is stale.
+    name = f"pd-tiny-dsv2-eagle3-{tm.generator_stamp()[:16]}"
+    orphan = tmp_path / f".{name}.tmp-orphan"
+    orphan.mkdir()
+    old = time.time() - 2 * tm.STALE_TEMP_S
+    os.utime(orphan, (old, old))
+    monkeypatch.setattr(tm, "generate", _fake_generate(calls))
+    tm.ensure_models(tmp_path, progress=lambda _: None)
+    assert not orphan.exists()
+
+
+# --- on the real generated pair -----------------------------------------------------
+def test_target_config_is_deepseek_mla_with_yarn(models: tm.TinyModels) -> None:
+    config = json.loads((models.target / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV2ForCausalLM"]
+    assert config["num_hidden_layers"] == tm.TARGET_NUM_LAYERS
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
+    assert config["q_lora_rank"] is None
+    assert config["first_k_dense_replace"] == config["num_hidden_layers"]
+    assert config["max_position_embeddings"] >= 4096 + tm.PROBE_MAX_TOKENS
+    rope = config["rope_parameters"]
+    assert rope["rope_type"] == "yarn"
+    assert "attention_factor" not in rope  # vLLM would then pick llama scaling
+    assert (rope["factor"], rope["original_max_position_embeddings"]) == (40.0, 4096)
+    assert (rope["mscale"], rope["mscale_all_dim"]) == (0.707, 0.707)
+    generation = json.loads((models.target / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == config["eos_token_id"]
+    assert set(generation) <= {*SPECIALS, "transformers_version"}
+
+
+def test_draft_is_a_complete_eagle3_llama(models: tm.TinyModels) -> None:
+    tm.verify_draft_checkpoint(models.draft)
+    config = json.loads((models.draft / "config.json").read_text())
+    target = json.loads((models.target / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == target["vocab_size"]
+    assert config["num_key_value_heads"] < config["num_attention_heads"]  # GQA
+    weights = load_file(models.draft / "model.safetensors")
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    assert weights["fc.weight"].shape[1] == 3 * target["hidden_size"]
+
+
+def test_tokenizer_is_byte_level_with_bos(models: tm.TinyModels) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models.target)
+    text = "The decode server received the cache of a 4096-token prompt. Ça va?"
+    ids = tok(text).input_ids
+    assert ids[0] == tok.bos_token_id
+    assert 10 <= len(ids) <= len(text) // 2  # ~2.5 characters per token
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert tok.eos_token == tm.EOS_TOKEN and tok.eos_token_id is not None
+
+
+def test_probes_are_the_targets_greedy_continuations(
+    models: tm.TinyModels, target: torch.nn.Module
+) -> None:
+    probes = tm.load_probes(models)
+    assert len(probes) == sum(count for _, count in tm.PROBE_GROUPS)
+    # Random weights still give every prompt its own continuation.
+    assert len({tuple(p.greedy[:8]) for p in probes}) == len(probes)
+    for probe in probes[:2] + probes[8:10]:
+        with torch.no_grad():
+            out = target.generate(
+                torch.tensor([probe.prompt]),
+                max_new_tokens=12,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(probe.prompt), dtype=torch.long),
+            )
+        assert out[0, len(probe.prompt) :].tolist() == probe.greedy[:12]
+
+
+def test_draft_predicts_probes_only_with_its_own_prompt_kv(
+    models: tm.TinyModels, target: torch.nn.Module
+) -> None:
+    """The detector property, on the plain-PyTorch copy of vLLM's Eagle3
+    forward: ~100% on the probes, far less once the draft's KV of the prompt
+    is lost."""
+    weights = load_file(models.draft / "model.safetensors")
+    embed = target.get_input_embeddings().weight.detach()
+    prompts = torch.tensor([p.prompt for p in tm.load_probes(models)[16:24]])
+    assert prompts.shape[1] == 48  # one probe group: equal lengths
+    start = prompts.shape[1] - 1
+    with tm._deterministic_torch(), torch.no_grad():
+        trace = tm.greedy_trace(target, prompts, tm.PROBE_MAX_TOKENS)
+        kept = tm.draft_first_pass(weights, embed, trace, start)
+        lost = tm.draft_first_pass(weights, embed, trace, start, lose_prompt_kv=True)
+    labels = trace.greedy[:, start + 1 :]
+
+    def accuracy(normed: torch.Tensor) -> float:
+        guess = (normed[:, :-1] @ weights["lm_head.weight"].T).argmax(-1)
+        return (guess == labels).float().mean().item()
+
+    assert accuracy(kept.normed) >= 0.99
+    assert accuracy(lost.normed) < 0.8
+
+
+def test_cli_prints_the_two_paths_last(models: tm.TinyModels) -> None:
+    cache = models.target.parent.parent
+    out = subprocess.run(
+        [sys.executable, "-m", "pdstack.tiny_model", "--cache-dir", str(cache)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert out.stdout.splitlines()[-2:] == [
+        f"target={models.target}",
+        f"draft={models.draft}",
+    ]
+
+
+@pytest.mark.skipif(
+    os.environ.get("PD_TINY_MODEL_REPRO") != "1",
+    reason="generates twice (minutes); set PD_TINY_MODEL_REPRO=1",
+)
+def test_generation_is_byte_identical(tmp_path: Path) -> None:
+    def digests(root: Path) -> dict[str, str]:
+        return {
+            str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != tm.STAMP_FILE  # holds timings
+        }
+
+    a = tm.ensure_models(tmp_path / "a", progress=lambda _: None)
+    b = tm.ensure_models(tmp_path / "b", progress=lambda _: None)
+    assert digests(a.target.parent) == digests(b.target.parent)
