@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import Stack
-from pdstack import client
+from pdstack import client, tiny_model
 
 BLOCK = 16
 # Shorter than a block, exactly k blocks, k blocks + 1, and a long prompt. On
@@ -72,3 +72,15 @@ def test_batch_invariance(stack: Stack, server: str) -> None:
             )
         )
     assert batched[0] == alone
+
+
+def test_pd_equals_an_independent_reference(
+    stack: Stack, probes: list[tiny_model.Probe]
+) -> None:
+    """Against Hugging Face transformers' greedy output (float32), computed at
+    generation time: a reference that shares no code with vLLM."""
+    chosen = sorted(probes, key=lambda p: len(p.prompt))[::8]
+    for probe in chosen:
+        got = client.complete(stack.router, probe.prompt, MAX_TOKENS).token_ids
+        print(f"probe of {len(probe.prompt)} tokens: P/D {got[:6]}...")
+        assert got == probe.greedy[:MAX_TOKENS]

@@ -53,11 +53,18 @@ def urls() -> Urls:
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time, so a reused pid is never mistaken for ours."""
+    """The live process's start time (a reused pid is never mistaken for
+    ours); None once it has exited, zombies included."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    if fields[0] == "Z":
+        # Exited; reap it if it is our child (`up` and `down` in one process).
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        return None
+    return fields[19]
 
 
 def _state_file(run_dir: Path) -> Path:
@@ -190,7 +197,9 @@ def down(run_dir: Path = RUN_DIR, progress=print) -> None:
     while running(run_dir) and time.monotonic() < deadline:
         time.sleep(0.5)
     for name, pid in running(run_dir).items():
-        progress(f"{name} (pid {pid}) ignored SIGTERM; killing")
+        progress(f"{name} (pid {pid}) ignored SIGTERM for {STOP_GRACE_S:.0f}s; killing")
+    # Also whatever a leader left behind in its group (vLLM's engine core).
+    for pid in alive.values():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
     _state_file(run_dir).unlink(missing_ok=True)
