@@ -34,6 +34,7 @@ class Ports:
     prefill: int
     decode: int
     bootstrap: int
+    router_metrics: int
 
 
 def ports(env: Mapping[str, str] | None = None) -> Ports:
@@ -51,6 +52,7 @@ def ports(env: Mapping[str, str] | None = None) -> Ports:
             prefill=int(values["PREFILL_PORT"]),
             decode=int(values["DECODE_PORT"]),
             bootstrap=int(values["BOOTSTRAP_PORT"]),
+            router_metrics=int(values["ROUTER_METRICS_PORT"]),
         )
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"configs/ports.env: bad or missing port: {exc}") from exc
@@ -162,11 +164,20 @@ def server_env(role: str, target_name: str, bootstrap_port: int) -> dict[str, st
 
 
 def router_args(
-    prefill_url: str, bootstrap_port: int, decode_url: str, host: str, port: int
+    prefill_url: str,
+    bootstrap_port: int,
+    decode_url: str,
+    host: str,
+    port: int,
+    metrics_port: int | None = None,
 ) -> list[str]:
     """vllm-router's flags; each URL may be a comma-separated list of replicas."""
     flags = _load(CONFIGS / "router.yaml")
+    metrics = ports().router_metrics if metrics_port is None else metrics_port
     argv = [*render(flags, {}), "--host", host, "--port", str(port)]
+    # Its exporter binds a fixed port (default 29000): two routers on one host
+    # (twin, CI, a benchmark) must each get their own.
+    argv += ["--prometheus-port", str(metrics)]
     for url in _split(prefill_url):
         # Every prefill replica runs its own Mooncake bootstrap server.
         argv += ["--prefill", url, str(bootstrap_port)]

@@ -34,13 +34,16 @@ def command(env: Mapping[str, str]) -> list[str]:
     ports = config.ports(env)
     host = env.get("ROUTER_HOST") or DEFAULT_HOST
     argv = config.router_args(
-        env["PREFILL_URL"], ports.bootstrap, env["DECODE_URL"], host, ports.router
+        env["PREFILL_URL"],
+        ports.bootstrap,
+        env["DECODE_URL"],
+        host,
+        ports.router,
+        ports.router_metrics,
     )
     # vllm-router serves Prometheus metrics on 127.0.0.1 by default: out of
     # reach of a scraper in another container.
     argv += ["--prometheus-host", host]
-    if env.get("ROUTER_METRICS_PORT"):
-        argv += ["--prometheus-port", env["ROUTER_METRICS_PORT"]]
     return argv
 
 

@@ -72,7 +72,7 @@ def test_unknown_names_are_config_errors(call, message: str) -> None:
 
 
 def test_ports_come_from_ports_env_and_the_environment_wins() -> None:
-    assert config.ports({}) == config.Ports(8000, 8100, 8200, 8998)
+    assert config.ports({}) == config.Ports(8000, 8100, 8200, 8998, 29000)
     assert config.ports({"DECODE_PORT": "9200"}).decode == 9200
     with pytest.raises(config.ConfigError, match="bad or missing port"):
         config.ports({"ROUTER_PORT": "http"})

@@ -917,6 +917,7 @@ def served(
 K8S_ONLY_SERVING_ENV = {
     # pd-ports carries all of ports.env; compose passes the three servers need.
     "ROUTER_PORT",
+    "ROUTER_METRICS_PORT",
     # The pod IP that Mooncake advertises to its peers (prefill.yaml).
     "VLLM_HOST_IP",
 }
