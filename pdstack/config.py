@@ -37,15 +37,24 @@ class Ports:
     router_metrics: int
 
 
-def ports(env: Mapping[str, str] | None = None) -> Ports:
-    """Ports from configs/ports.env, each overridable by the same-named variable."""
-    env = os.environ if env is None else env
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines; comments and blank lines skipped."""
     values: dict[str, str] = {}
-    for line in (CONFIGS / "ports.env").read_text().splitlines():
+    for line in path.read_text().splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             key, _, value = line.partition("=")
-            values[key.strip()] = env.get(key.strip(), value.strip())
+            values[key.strip()] = value.strip()
+    return values
+
+
+def ports(env: Mapping[str, str] | None = None) -> Ports:
+    """Ports from configs/ports.env, each overridable by the same-named variable."""
+    env = os.environ if env is None else env
+    values = {
+        key: env.get(key, value)
+        for key, value in read_env_file(CONFIGS / "ports.env").items()
+    }
     try:
         return Ports(
             router=int(values["ROUTER_PORT"]),

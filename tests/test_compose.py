@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from pdstack import config, serve
+from pdstack.config import read_env_file
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
@@ -104,17 +105,6 @@ def interpolate(node: Any, env: Mapping[str, str]) -> Any:
     if isinstance(node, list):
         return [interpolate(value, env) for value in node]
     return node
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines; comments and blank lines skipped."""
-    values: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    return values
 
 
 def as_list(value: str | list[str] | None) -> list[str]:

@@ -33,6 +33,7 @@ import pytest
 import yaml
 
 from pdstack import config, route, serve
+from pdstack.config import read_env_file
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -152,16 +153,6 @@ def named_port(container: Object, name: str) -> int | None:
         if port.get("name") == name:
             return int(port["containerPort"])
     return None
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    values: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    return values
 
 
 def ports() -> dict[str, str]:

@@ -25,6 +25,17 @@ import pd_mooncake
 MLA_LAYER = "model.layers.0.self_attn.attn"
 DRAFT_LAYER = "model.layers.8.self_attn.attn"
 NUM_BLOCKS = 2
+# What upstream derives from registration; the backport must match all of it.
+REGISTRATION_STATE = (
+    "kv_caches_base_addr",
+    "block_len_per_layer",
+    "kv_block_len_per_layer",
+    "registered_layer_names",
+    "registered_layer_indices",
+    "registered_group_indices",
+    "region_shared_groups",
+    "region_row_offsets",
+)
 BLOCK_SIZE = 16
 
 
@@ -104,15 +115,7 @@ def make_worker(
     worker.async_zmq_ctx = zmq.asyncio.Context()
     worker.receiver_loop = asyncio.new_event_loop()
     # Registration state as upstream's constructor initialises it.
-    for name in (
-        "block_len_per_layer",
-        "kv_block_len_per_layer",
-        "registered_layer_names",
-        "registered_layer_indices",
-        "registered_group_indices",
-        "region_shared_groups",
-        "region_row_offsets",
-    ):
+    for name in REGISTRATION_STATE:
         setattr(worker, name, [])
     worker.block_size = BLOCK_SIZE
     worker.kv_cache_config = config

@@ -12,21 +12,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
 
-from conftest import DRAFT_LAYER, MLA_LAYER, NUM_BLOCKS, make_worker, mixed_caches
+from conftest import (
+    DRAFT_LAYER,
+    MLA_LAYER,
+    NUM_BLOCKS,
+    REGISTRATION_STATE,
+    make_worker,
+    mixed_caches,
+)
 from pd_mooncake import registration
 from pd_mooncake.connector import PDMooncakeConnectorWorker
-
-# What upstream derives from registration; the backport must match all of it.
-REGISTRATION_STATE = (
-    "kv_caches_base_addr",
-    "block_len_per_layer",
-    "kv_block_len_per_layer",
-    "registered_layer_names",
-    "registered_layer_indices",
-    "registered_group_indices",
-    "region_shared_groups",
-    "region_row_offsets",
-)
 
 
 def test_mixed_shapes_register_by_byte_length(engine) -> None:
