@@ -91,9 +91,46 @@ up-e2e: ## GPU host: the compose stack with prefill/decode also on 127.0.0.1, fo
 down: ## GPU host: stop the compose stack
 	$(COMPOSE) -f docker/compose.e2e.yaml down
 
+# `make bench`: P/D against a colocated server with the same model and resources,
+# KV transfer cost, router overhead, Mooncake alone, start-up and memory. Without
+# URLs it starts (and stops) its own CPU twin and colocated server; give all four
+# BENCH_*_URL to measure a running stack instead (e.g. compose on a GPU host).
+# Ports of the twin it starts: make bench ROUTER_PORT=9000 PREFILL_PORT=9100 ...
+BENCH_INPUT_LENS ?= 128,1024,4096
+BENCH_OUTPUT_LEN ?= 64
+BENCH_CONCURRENCY ?= 1,4,16
+# Requests per level: max(this, concurrency), i.e. one wave.
+BENCH_MIN_PROMPTS ?= 2
+# Levels whose prompt tokens x concurrency exceed this are skipped.
+BENCH_MAX_BATCH_TOKENS ?= 16384
+BENCH_LEVEL_TIMEOUT_S ?= 600
+# The whole `vllm bench serve` sweep; the costliest levels go last.
+BENCH_SWEEP_BUDGET_S ?= 900
+BENCH_ROUTER_URL ?=
+BENCH_PREFILL_URL ?=
+BENCH_DECODE_URL ?=
+BENCH_COLOCATED_URL ?=
+BENCH_COLOCATED_PORT ?= 8300
+BENCH_OVERHEAD_REQUESTS ?= 60
+BENCH_TRANSFER_SIZES ?= 64K,256K,1M,4M,16M,64M,256M
+# 1: also time a start from an empty model cache (adds about 4 minutes).
+BENCH_COLD_START ?= 1
+BENCH_OUT ?= run/bench
+
 .PHONY: bench
-bench: install ## Benchmark P/D against colocated serving (not built yet: issue 6)
-	@echo "make bench: not implemented yet (tracked as the benchmark issue)" >&2; exit 2
+bench: install ## Benchmark P/D against colocated serving: report in run/bench/<time>/
+	$(PY) -m pip install --quiet -r requirements/bench.txt
+	$(PY) -m bench run --profile $(PROFILE) \
+	  --input-lens $(BENCH_INPUT_LENS) --output-len $(BENCH_OUTPUT_LEN) \
+	  --concurrency $(BENCH_CONCURRENCY) --min-prompts $(BENCH_MIN_PROMPTS) \
+	  --max-batch-tokens $(BENCH_MAX_BATCH_TOKENS) \
+	  --level-timeout $(BENCH_LEVEL_TIMEOUT_S) --sweep-budget $(BENCH_SWEEP_BUDGET_S) \
+	  --router-url "$(BENCH_ROUTER_URL)" --prefill-url "$(BENCH_PREFILL_URL)" \
+	  --decode-url "$(BENCH_DECODE_URL)" --colocated-url "$(BENCH_COLOCATED_URL)" \
+	  --colocated-port $(BENCH_COLOCATED_PORT) \
+	  --overhead-requests $(BENCH_OVERHEAD_REQUESTS) \
+	  --transfer-sizes $(BENCH_TRANSFER_SIZES) --cold-start $(BENCH_COLD_START) \
+	  --out $(BENCH_OUT)
 
 .PHONY: clean
 clean: down-cpu ## Remove the venv and run state (keeps the model cache)

@@ -72,9 +72,9 @@ def _state_file(run_dir: Path) -> Path:
 
 
 def _launch(
-    name: str, argv: list[str], env: dict[str, str], run_dir: Path
+    name: str, argv: list[str], env: dict[str, str], run_dir: Path, mode: str = "wb"
 ) -> subprocess.Popen:
-    log = (run_dir / f"{name}.log").open("wb")
+    log = (run_dir / f"{name}.log").open(mode)
     # Own session: `down` signals the whole group (vLLM forks its engine core).
     return subprocess.Popen(
         argv,
@@ -98,10 +98,12 @@ def up(
     run_dir: Path = RUN_DIR,
     progress=print,
     role_env: dict[str, dict[str, str]] | None = None,
+    router_extra: list[str] | None = None,
 ) -> Urls:
     """Start the twin; on any failure, stop what was started and raise.
 
-    ``role_env`` adds environment per role, e.g. a test fault on decode.
+    ``role_env`` adds environment per role, e.g. a test fault on decode;
+    ``router_extra`` adds vllm-router flags (e.g. the fault suite's timeouts).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     if running(run_dir):
@@ -143,20 +145,9 @@ def up(
                 progress,
             )
             progress(f"{role} healthy at {url} ({took:.0f}s)")
-        router_argv = [
-            "vllm-router",
-            *config.router_args(
-                u.prefill,
-                u.bootstrap_port,
-                u.decode,
-                HOST,
-                int(u.router.rsplit(":", 1)[1]),
-            ),
-        ]
-        router_bin = Path(sys.executable).parent / "vllm-router"
-        if router_bin.exists():
-            router_argv[0] = str(router_bin)
-        procs["router"] = _launch("router", router_argv, {}, run_dir)
+        procs["router"] = _launch(
+            "router", router_command(u, router_extra), {}, run_dir
+        )
         _record(run_dir, procs)
         took = wait.until_healthy(
             "router",
@@ -171,6 +162,25 @@ def up(
         down(run_dir, progress)
         raise
     return u
+
+
+def router_command(u: Urls, extra: list[str] | None = None) -> list[str]:
+    """vllm-router's argv for the twin; ``extra`` flags win (argparse: last wins)."""
+    argv = [
+        "vllm-router",
+        *config.router_args(
+            u.prefill,
+            u.bootstrap_port,
+            u.decode,
+            HOST,
+            int(u.router.rsplit(":", 1)[1]),
+        ),
+        *(extra or []),
+    ]
+    router_bin = Path(sys.executable).parent / "vllm-router"
+    if router_bin.exists():
+        argv[0] = str(router_bin)
+    return argv
 
 
 def running(run_dir: Path = RUN_DIR) -> dict[str, int]:
@@ -203,6 +213,77 @@ def down(run_dir: Path = RUN_DIR, progress=print) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
     _state_file(run_dir).unlink(missing_ok=True)
+
+
+# --- One role at a time: what a supervisor (compose `restart:`, Kubernetes)
+# does to a crashed server, for the fault tests.
+ROLE_NAMES = (*config.ROLES, "router")
+
+
+def _update_record(run_dir: Path, name: str, proc: subprocess.Popen) -> None:
+    path = _state_file(run_dir)
+    state = json.loads(path.read_text()) if path.exists() else {}
+    state[name] = {"pid": proc.pid, "start": _start_time(proc.pid)}
+    path.write_text(json.dumps(state, indent=1))
+
+
+def kill(
+    role: str, run_dir: Path = RUN_DIR, progress=print, deadline_s: float = 30.0
+) -> float:
+    """SIGKILL one role and its process group, as a crash would (no graceful
+    shutdown, no goodbye to peers). Returns the seconds until it was gone."""
+    if role not in ROLE_NAMES:
+        raise ValueError(f"unknown role {role!r}; known: {', '.join(ROLE_NAMES)}")
+    pid = running(run_dir).get(role)
+    if pid is None:
+        raise wait.WaitError(f"{role} is not running (state in {run_dir})")
+    start = time.monotonic()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    while role in running(run_dir):
+        if time.monotonic() - start > deadline_s:
+            raise wait.WaitError(f"{role} (pid {pid}) survived SIGKILL")
+        time.sleep(0.1)
+    took = time.monotonic() - start
+    progress(f"killed {role} (pid {pid})")
+    return took
+
+
+def start_role(
+    role: str,
+    run_dir: Path = RUN_DIR,
+    profile: str = "tiny",
+    env: dict[str, str] | None = None,
+    router_extra: list[str] | None = None,
+    progress=print,
+) -> float:
+    """Start one role of a recorded twin again (same ports, same flags) and
+    wait until it answers /health; returns the seconds that took.
+
+    ``env`` adds environment (e.g. the role's ``role_env`` given to ``up``);
+    ``router_extra`` adds vllm-router flags. The log is appended to.
+    """
+    if role not in ROLE_NAMES:
+        raise ValueError(f"unknown role {role!r}; known: {', '.join(ROLE_NAMES)}")
+    if role in running(run_dir):
+        raise wait.WaitError(f"{role} is already running (state in {run_dir})")
+    u = urls()
+    if role == "router":
+        argv, role_env = router_command(u, router_extra), {}
+        url, deadline = u.router, ROUTER_DEADLINE_S
+    else:
+        from pdstack.serve import command
+
+        argv, role_env = command(role, profile, "cpu", HOST)
+        url = u.prefill if role == "prefill" else u.decode
+        deadline = SERVER_DEADLINE_S
+    proc = _launch(role, argv, {**role_env, **(env or {})}, run_dir, mode="ab")
+    _update_record(run_dir, role, proc)
+    log = run_dir / f"{role}.log"
+    progress(f"started {role} again (pid {proc.pid}), log {log}")
+    took = wait.until_healthy(role, url, deadline, proc, log, progress)
+    progress(f"{role} healthy at {url} ({took:.0f}s)")
+    return took
 
 
 def main(argv: list[str] | None = None) -> int:

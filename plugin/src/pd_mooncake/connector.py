@@ -5,6 +5,7 @@ Subclasses keep upstream's transfer logic; each override says why it exists.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -17,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
 
-from pd_mooncake import cpu_support, extra_config, faults, registration
+from pd_mooncake import cpu_support, extra_config, faults, registration, reliability
 from pd_mooncake.metrics import (
     PDMooncakePromMetrics,
     PDMooncakeStats,
@@ -31,6 +32,8 @@ logger = logging.getLogger("vllm.pd_mooncake")
 
 # How long the producer waits for its ZMQ listener before failing start-up.
 LISTENER_READY_TIMEOUT_S = 120.0
+# Decode: seconds between probes of a pending pull's prefill (reliability).
+LIVENESS_INTERVAL_S = 2.0
 
 
 @contextlib.contextmanager
@@ -63,6 +66,31 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         if not hasattr(self, "_physical_blocks_per_logical_kv_block"):
             # vLLM < 0.20: no kernel block size sync upstream; do it here.
             self._sync_kernel_block_size()
+        offset = extra.get("side_channel_port_offset")
+        if offset and not self.is_kv_consumer:
+            self._use_fixed_side_channel(vllm_config, offset)
+        # Decode: probe a pending pull's prefill this often (0: never).
+        self.liveness_interval_s = float(
+            extra.get("prefill_liveness_interval_s", LIVENESS_INTERVAL_S)
+        )
+
+    def _use_fixed_side_channel(self, vllm_config: Any, offset: int) -> None:
+        """A restarted prefill comes back at the same side-channel address,
+        which decode caches per engine id (see reliability)."""
+        port = reliability.side_channel_port(
+            upstream.get_mooncake_bootstrap_addr(vllm_config)[1],
+            offset,
+            dp_rank=getattr(self, "dp_rank", 0),
+            pp_rank=getattr(self, "pp_rank", 0),
+            tp_rank=self.tp_rank,
+            pp_size=getattr(self, "pp_size", 1),
+            tp_size=self.tp_size,
+        )
+        # No socket exists yet: the listener starts in register_kv_caches.
+        self.async_zmq_ctx.term()
+        self.async_zmq_ctx = reliability.SideChannelContext()
+        self.async_zmq_ctx.side_channel_port = port
+        logger.info("PD Mooncake: side channel on fixed port %d", port)
 
     def _sync_kernel_block_size(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import (
@@ -239,6 +267,45 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         with sending_descriptors(src_ptrs, lengths):
             return super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
 
+    async def record_send_reqs(self, metadata: Any) -> None:
+        # Upstream pops "not processed" ids without a default (see reliability).
+        if metadata.reqs_not_processed:
+            metadata.reqs_not_processed = reliability.known_not_processed(
+                metadata.reqs_not_processed, self.reqs_need_send
+            )
+        await super().record_send_reqs(metadata)
+
+    async def receive_kv_from_single_worker(
+        self, worker_addr: str, pull_metas: dict
+    ) -> None:
+        """Upstream's pull, failed early if its prefill is gone (reliability):
+        upstream would wait ABORT_REQUEST_TIMEOUT + 60 s for an answer."""
+        interval = getattr(self, "liveness_interval_s", 0.0)
+        upstream_pull = super().receive_kv_from_single_worker(worker_addr, pull_metas)
+        if not interval or not pull_metas or not hasattr(self, "_handle_failed_recv"):
+            await upstream_pull
+            return
+        bootstrap = next(iter(pull_metas.values())).remote_bootstrap_addr
+        pull = asyncio.ensure_future(upstream_pull)
+        refusals = 0
+        while True:
+            done, _ = await asyncio.wait({pull}, timeout=interval)
+            if done:
+                pull.result()
+                return
+            gone = await reliability.refuses_connections(bootstrap)
+            refusals = refusals + 1 if gone else 0
+            if refusals >= reliability.REFUSALS_TO_FAIL:
+                break
+        pull.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pull
+        self._handle_failed_recv(
+            pull_metas,
+            list(pull_metas),
+            f"prefill gone: its bootstrap server {bootstrap} refuses connections",
+        )
+
     def process_pulling_result(self, response: Any, pull_metas: dict) -> None:
         if faults.active_fault() == faults.CORRUPT_RECEIVED_KV:
             self._corrupt(response, pull_metas)
@@ -265,6 +332,64 @@ class PDMooncakeConnector(upstream.MooncakeConnector):
         extra_config.validate(vllm_config.kv_transfer_config.kv_connector_extra_config)
         with _upstream_builds(PDMooncakeConnectorWorker):
             super().__init__(vllm_config, role, *args, **kwargs)
+        scheduler = self.connector_scheduler
+        # Prefill's scheduler: one live request per transfer id (reliability).
+        self.transfer_guard = (
+            reliability.TransferIdGuard()
+            if scheduler is not None and not scheduler.is_kv_consumer
+            else None
+        )
+
+    # -- scheduler side: the transfer id guard --------------------------------
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        guard = self.transfer_guard
+        if guard is not None and not guard.admit(
+            request.request_id, request.kv_transfer_params
+        ):
+            return
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(
+            request,
+            lambda: super(PDMooncakeConnector, self).request_finished(
+                request, block_ids
+            ),
+        )
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(
+            request,
+            lambda: super(PDMooncakeConnector, self).request_finished_all_groups(
+                request, block_ids
+            ),
+        )
+
+    def _finished(
+        self, request: Any, upstream_finished: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        guard = self.transfer_guard
+        if guard is not None and guard.refuses(
+            request.request_id, request.kv_transfer_params
+        ):
+            # Freed now; upstream would overwrite or cancel the owner's send.
+            guard.finished(request.request_id, delayed=False)
+            return False, None
+        delayed, params = upstream_finished()
+        if guard is not None:
+            guard.finished(request.request_id, delayed)
+        return delayed, params
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        if self.transfer_guard is not None:
+            self.transfer_guard.sent(connector_output.finished_sending or ())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):

@@ -25,6 +25,13 @@ PLUGIN_KEYS: dict[str, type | tuple[type, ...]] = {
     # Force the mixed MLA + Eagle registration backport even where upstream
     # has the fix; for tests that compare the two paths.
     "force_registration_backport": bool,
+    # Prefill: bind the ZMQ side channel to bootstrap port + offset (+ rank)
+    # instead of a random port, so a restarted prefill keeps its address
+    # (with a configured engine_id; see reliability).
+    "side_channel_port_offset": int,
+    # Decode: seconds between probes of a pending pull's prefill; a pull is
+    # failed when the prefill refuses connections twice (0: never probe).
+    "prefill_liveness_interval_s": (int, float),
 }
 KNOWN_KEYS = {**UPSTREAM_KEYS, **PLUGIN_KEYS}
 
@@ -56,6 +63,18 @@ def validate(extra: Mapping[str, Any]) -> None:
         raise ExtraConfigError(
             f"kv_connector_extra_config['mooncake_protocol'] must be one of "
             f"{', '.join(PROTOCOLS)}, got {protocol!r}"
+        )
+    offset = extra.get("side_channel_port_offset", 1)
+    if offset < 1:
+        raise ExtraConfigError(
+            "kv_connector_extra_config['side_channel_port_offset'] must be >= 1 "
+            f"(0 is the bootstrap server's own port), got {offset}"
+        )
+    interval = extra.get("prefill_liveness_interval_s", 0)
+    if isinstance(interval, bool) or interval < 0:
+        raise ExtraConfigError(
+            "kv_connector_extra_config['prefill_liveness_interval_s'] must be a "
+            f"number >= 0, got {interval!r}"
         )
     workers = extra.get("num_workers", 1)
     if workers < 1:

@@ -1,0 +1,63 @@
+"""Command line of the bench: ``python -m bench {run,transfer,report}``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench import report, settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    settings.add_arguments(sub.add_parser("run", help="the whole benchmark"))
+    transfer = sub.add_parser("transfer", help="transfer-engine micro-benchmark only")
+    settings.add_arguments(transfer)
+    transfer.add_argument("--json", type=Path, help="write the samples here")
+    transfer.add_argument(
+        "--defaults-only", action="store_true", help="skip the tuned series"
+    )
+    rebuild = sub.add_parser("report", help="rebuild a run's report from its JSON")
+    rebuild.add_argument("run_dir", type=Path)
+    opts = parser.parse_args(argv)
+    try:
+        if opts.command == "report":
+            report.build(opts.run_dir)
+            print(opts.run_dir / "report.md")
+            return 0
+        chosen = settings.from_args(opts)
+        if opts.command == "transfer":
+            from bench import transfer_engine
+
+            def show(line: str) -> None:
+                print(line, flush=True)
+
+            samples = transfer_engine.run(
+                chosen.transfer_sizes, chosen.transfer_repeats, progress=show
+            )
+            if not opts.defaults_only:
+                show(f"  tuned: {transfer_engine.TUNED_ENV}")
+                samples += transfer_engine.run_tuned(
+                    chosen.transfer_sizes, chosen.transfer_repeats, progress=show
+                )
+            if opts.json:
+                opts.json.write_text(json.dumps(transfer_engine.to_json(samples)))
+            return 0
+        from bench import run
+
+        chosen.run_dir.mkdir(parents=True, exist_ok=True)
+        run.run(chosen)
+        return 0
+    except (settings.SettingsError, report.ReportError) as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bench: interrupted; servers it started were stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

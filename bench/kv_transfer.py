@@ -1,0 +1,144 @@
+"""The KV transfer cost of a P/D level, from the plugin's metrics on prefill.
+
+Mooncake is prefill-push: prefill counts each successful transfer, its bytes and
+its duration (``batch_transfer_sync_write``). Per level the bench keeps the
+delta of those counters and derives bytes and seconds per request, the share of
+TTFT the transfer takes, and the effective throughput. Bytes are checked
+against the model's KV layout (pdstack.kv_layout: whole 16-token blocks,
+311296 bytes per block for the tiny profile) from each request's prompt length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdstack import kv_layout
+from pdstack import metrics as m
+
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+DESCRIPTORS = "vllm:mooncake_descriptors_total"
+COUNTERS = {
+    "transfers": m.TRANSFERS,
+    "bytes": m.BYTES,
+    "seconds": m.TRANSFER_SECONDS,
+    "descriptors": DESCRIPTORS,
+    "failed_transfers": m.FAILED_TRANSFERS,
+    "failed_recvs": m.FAILED_RECVS,
+    "expired": m.EXPIRED,
+    "prompt_tokens": PROMPT_TOKENS,
+}
+# Profiles whose KV layout pdstack.kv_layout describes.
+LAYOUT_PROFILES = ("tiny",)
+
+
+def scrape(url: str) -> m.Snapshot:
+    return m.scrape(url)
+
+
+def delta_json(delta: m.Snapshot) -> dict[str, float]:
+    return {key: delta.total(name) for key, name in COUNTERS.items()}
+
+
+def settle_delta(
+    url: str, before: m.Snapshot, completed: int, deadline_s: float
+) -> dict[str, float]:
+    """The counters' delta once ``completed`` transfers are counted (bounded)."""
+    delta = m.settle(
+        url, before, lambda d: d.total(m.TRANSFERS) >= completed, deadline_s
+    )
+    return delta_json(delta)
+
+
+@dataclass(frozen=True)
+class LayoutCheck:
+    ok: bool
+    expected_bytes: int
+    measured_bytes: int
+    detail: str
+
+
+def check_layout(
+    input_lens: Sequence[int], counters: Mapping[str, float], profile: str
+) -> LayoutCheck | None:
+    """Bytes moved against whole blocks of every request's prompt.
+
+    None where the profile's layout is not modelled (pdstack.kv_layout is the
+    tiny profile's). A mismatch names its likely cause.
+    """
+    if profile not in LAYOUT_PROFILES:
+        return None
+    expected = sum(
+        kv_layout.transfer_bytes(kv_layout.tokens_loaded(n)) for n in input_lens
+    )
+    measured = int(counters.get("bytes", 0))
+    transfers = int(counters.get("transfers", 0))
+    problems = []
+    if transfers != len(input_lens):
+        problems.append(f"{transfers} transfers for {len(input_lens)} requests")
+    prompt_tokens = int(counters.get("prompt_tokens", -1))
+    if prompt_tokens >= 0 and prompt_tokens != sum(input_lens):
+        problems.append(
+            f"prefill counted {prompt_tokens} prompt tokens, requests report "
+            f"{sum(input_lens)}"
+        )
+    if measured != expected:
+        per_block = kv_layout.transfer_bytes(kv_layout.BLOCK_SIZE)
+        problems.append(
+            f"{measured} bytes moved, layout predicts {expected} "
+            f"({(measured - expected) / per_block:+.2f} blocks of {per_block} B)"
+        )
+    if counters.get("failed_transfers", 0) or counters.get("failed_recvs", 0):
+        problems.append(
+            f"{counters.get('failed_transfers', 0):.0f} failed transfers, "
+            f"{counters.get('failed_recvs', 0):.0f} failed receives"
+        )
+    detail = (
+        "; ".join(problems)
+        if problems
+        else (
+            f"{len(input_lens)} requests, {measured} bytes = whole 16-token blocks x "
+            f"{kv_layout.transfer_bytes(kv_layout.BLOCK_SIZE)} B"
+        )
+    )
+    return LayoutCheck(not problems, expected, measured, detail)
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    transfers: int
+    bytes_per_request: float
+    seconds_per_request: float
+    share_of_ttft: float | None
+    mb_per_s: float
+    descriptors_per_request: float
+
+
+def cost(
+    counters: Mapping[str, float], mean_ttft_ms: float | None
+) -> TransferCost | None:
+    transfers = int(counters.get("transfers", 0))
+    if transfers <= 0:
+        return None
+    seconds = counters.get("seconds", 0.0) / transfers
+    return TransferCost(
+        transfers=transfers,
+        bytes_per_request=counters.get("bytes", 0.0) / transfers,
+        seconds_per_request=seconds,
+        share_of_ttft=(seconds * 1e3 / mean_ttft_ms) if mean_ttft_ms else None,
+        mb_per_s=(
+            counters.get("bytes", 0.0) / counters["seconds"] / 1e6
+            if counters.get("seconds")
+            else 0.0
+        ),
+        descriptors_per_request=counters.get("descriptors", 0.0) / transfers,
+    )
+
+
+def from_result(result: Mapping[str, Any]) -> list[int]:
+    """Per-request prompt lengths of a saved ``vllm bench serve --save-detailed``
+    result (server-reported where the stream carried usage), successes only."""
+    lens = result.get("input_lens") or []
+    errors = result.get("errors") or [""] * len(lens)
+    return [int(n) for n, err in zip(lens, errors, strict=False) if not err]

@@ -1,0 +1,99 @@
+"""Peak resident memory of a set of process trees, sampled in a thread (psutil).
+
+RSS summed over processes counts shared pages (libraries, torch) once per
+process: it is the conservative figure. PSS (proportional set size) splits
+shared pages between their users, so its sum is what the processes really
+occupy together; it is costlier to read and sampled less often.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import psutil
+
+RSS_INTERVAL_S = 0.5
+PSS_INTERVAL_S = 5.0
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _sum(
+    groups: Mapping[str, list[int]], read: Callable[[psutil.Process], int]
+) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, roots in groups.items():
+        total = 0
+        for root in roots:
+            for proc in tree(root):
+                with contextlib.suppress(psutil.Error):
+                    total += read(proc)
+        out[name] = total
+    return out
+
+
+@dataclass
+class Peak:
+    rss_total: int = 0
+    rss_by_group: dict[str, int] = field(default_factory=dict)
+    pss_total: int = 0
+    pss_by_group: dict[str, int] = field(default_factory=dict)
+    samples: int = 0
+
+
+class PeakMemory:
+    """``with PeakMemory({"prefill": [pid], ...}) as m: ...; m.peak``."""
+
+    def __init__(
+        self,
+        groups: Mapping[str, list[int]],
+        rss_interval_s: float = RSS_INTERVAL_S,
+        pss_interval_s: float = PSS_INTERVAL_S,
+    ) -> None:
+        self.groups = dict(groups)
+        self.peak = Peak()
+        self._rss_interval_s = rss_interval_s
+        self._pss_interval_s = pss_interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="memory")
+
+    def sample(self, with_pss: bool) -> None:
+        rss = _sum(self.groups, lambda p: p.memory_info().rss)
+        self.peak.samples += 1
+        if sum(rss.values()) > self.peak.rss_total:
+            self.peak.rss_total = sum(rss.values())
+            self.peak.rss_by_group = rss
+        if with_pss:
+            pss = _sum(self.groups, lambda p: p.memory_full_info().pss)
+            if sum(pss.values()) > self.peak.pss_total:
+                self.peak.pss_total = sum(pss.values())
+                self.peak.pss_by_group = pss
+
+    def _run(self) -> None:
+        last_pss = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            with_pss = now - last_pss >= self._pss_interval_s
+            if with_pss:
+                last_pss = now
+            self.sample(with_pss)
+            self._stop.wait(self._rss_interval_s)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.sample(with_pss=True)

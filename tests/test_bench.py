@@ -1,0 +1,358 @@
+"""The bench's plumbing: real code on small inputs, each checker with a negative
+control. No assertion here is about speed (timing belongs to `make bench`).
+
+- the Mooncake transfer-engine micro-benchmark, for real, at 64 KiB - 1 MiB;
+- the report rebuilt from a small recorded run (bench/fixtures/small-run: real
+  `vllm bench serve` JSON from P/D and colocated servers on the CPU twin);
+- the router protocol read through the recording proxy, against the real
+  vllm-router binary in front of stub backends;
+- `vllm bench serve`'s own parser accepting the arguments the bench passes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from bench import http_tap, kv_transfer, report, router_overhead, settings
+from bench import transfer_engine as te
+from bench.stack import free_port, scheduling_fix
+from bench.vllm_bench import Level, Plan, bench_serve_args
+from pdstack import kv_layout
+
+FIXTURE = Path(__file__).resolve().parent.parent / "bench" / "fixtures" / "small-run"
+BLOCK = kv_layout.transfer_bytes(kv_layout.BLOCK_SIZE)
+
+
+# --- transfer engine ----------------------------------------------------------
+def test_transfer_engine_moves_every_size_and_checks_arrival() -> None:
+    sizes = [64 << 10, 256 << 10, 1 << 20]
+    samples = te.run(sizes, repeats=2, progress=lambda _: None)
+    got = {(s.method, s.size) for s in samples}
+    assert got == {(m, size) for m in te.METHODS for size in sizes}
+    assert all(s.verified for s in samples)
+    assert all(len(s.throughputs()) == 2 for s in samples)
+    kv = [s for s in samples if s.method == "engine_kv_blocks"]
+    assert [s.descriptors for s in kv] == [
+        -(-size // te.KV_BLOCK_BYTES) for size in sizes
+    ]
+    comparisons = te.compare(samples)
+    assert [c.size for c in comparisons] == sizes
+    assert all(c.vs_socket > 0 and c.vs_memcpy > 0 for c in comparisons)
+    assert te.from_json(json.loads(json.dumps(te.to_json(samples)))) == samples
+
+
+def test_transfer_engine_check_catches_misplaced_bytes() -> None:
+    """Negative control: a real transfer landing 4 KiB off is reported."""
+    with pytest.raises(te.TransferBenchError, match="bytes differ"):
+        te.run([64 << 10], repeats=1, methods=("engine",), misaddress=4096,
+               progress=lambda _: None)  # fmt: skip
+
+
+def test_kv_descriptors_cover_the_bytes_once() -> None:
+    src, dst, lens = te.kv_descriptors(100_000, 1000, 5000, block=36864)
+    assert lens == [36864, 36864, 100_000 - 2 * 36864]
+    assert src == [1000, 1000 + 36864, 1000 + 2 * 36864]
+    assert [d - 5000 for d in dst] == [s - 1000 for s in src]
+
+
+# --- KV transfer accounting ---------------------------------------------------
+def counters(lens: list[int], **changes: float) -> dict[str, float]:
+    base = {
+        "transfers": len(lens),
+        "bytes": sum(kv_layout.transfer_bytes(n) for n in lens),
+        "seconds": 0.02 * len(lens),
+        "descriptors": 9 * len(lens),
+        "failed_transfers": 0,
+        "failed_recvs": 0,
+        "expired": 0,
+        "prompt_tokens": sum(lens),
+    }
+    return {**base, **changes}
+
+
+def test_layout_check_accepts_whole_blocks_per_request() -> None:
+    lens = [128, 130, 4096]
+    check = kv_transfer.check_layout(lens, counters(lens), "tiny")
+    assert check is not None and check.ok, check
+    # 8 + 9 + 256 blocks of 311296 bytes: per request, never pooled.
+    assert check.expected_bytes == (8 + 9 + 256) * BLOCK == (8 + 9 + 256) * 311296
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"bytes_delta": -BLOCK}, "layout predicts"),
+        ({"bytes_delta": BLOCK // 2}, "layout predicts"),
+        ({"transfers": 2}, "2 transfers for 3 requests"),
+        ({"failed_transfers": 1}, "failed transfers"),
+        ({"prompt_tokens": 4354 - 1}, "prompt tokens"),
+    ],
+)
+def test_layout_check_negative_controls(change: dict[str, float], why: str) -> None:
+    lens = [128, 130, 4096]
+    values = counters(lens)
+    if "bytes_delta" in change:
+        values["bytes"] += change.pop("bytes_delta")
+    values.update(change)
+    check = kv_transfer.check_layout(lens, values, "tiny")
+    assert check is not None and not check.ok
+    assert why in check.detail
+
+
+def test_layout_check_is_skipped_without_a_layout_model() -> None:
+    assert kv_transfer.check_layout([128], counters([128]), "kimi-k2.5") is None
+
+
+def test_transfer_cost_per_request() -> None:
+    cost = kv_transfer.cost(counters([4096, 4096], seconds=0.5), mean_ttft_ms=5000.0)
+    assert cost is not None
+    assert cost.bytes_per_request == 256 * BLOCK
+    assert cost.seconds_per_request == 0.25
+    assert cost.share_of_ttft == pytest.approx(0.05)
+    assert cost.mb_per_s == pytest.approx(2 * 256 * BLOCK / 0.5 / 1e6)
+    assert kv_transfer.cost(counters([], transfers=0), 1.0) is None
+
+
+# --- router protocol -----------------------------------------------------------
+def test_direct_legs_follow_the_router_protocol() -> None:
+    body = {"model": "pd-model", "prompt": "hello", "max_tokens": 8}
+    prefill, decode = router_overhead.build_legs(body, "engine-1", "http://h:9998")
+    assert router_overhead.differences(prefill, decode) == []
+    assert body == {"model": "pd-model", "prompt": "hello", "max_tokens": 8}
+    assert decode["max_tokens"] == 8 and prefill["max_tokens"] == 1
+
+
+def test_recorded_router_legs_follow_the_protocol() -> None:
+    capture = json.loads((FIXTURE / "router_overhead.json").read_text())["capture"]
+    assert capture["prefill_response_kv_params"] is None
+    assert (
+        router_overhead.differences(capture["prefill_leg"], capture["decode_leg"]) == []
+    )
+
+
+def broken(leg: str, edit: Any) -> list[str]:
+    prefill, decode = router_overhead.build_legs(
+        {"model": "m", "prompt": "p", "max_tokens": 4}, "e", "http://h:1"
+    )
+    edit(prefill if leg == "prefill" else decode)
+    return router_overhead.differences(prefill, decode)
+
+
+@pytest.mark.parametrize(
+    ("leg", "edit", "why"),
+    [
+        ("decode", lambda b: b["kv_transfer_params"].pop("remote_engine_id"), "keys"),
+        (
+            "decode",
+            lambda b: b["kv_transfer_params"].update(transfer_id="x"),
+            "different",
+        ),
+        ("prefill", lambda b: b.update(max_tokens=4), "max_tokens"),
+        ("prefill", lambda b: b.update(kv_transfer_params=None), "is None"),
+        (
+            "decode",
+            lambda b: b["kv_transfer_params"].update(do_remote_prefill=False),
+            "do_remote_prefill",
+        ),
+        (
+            "decode",
+            lambda b: b["kv_transfer_params"].update(remote_bootstrap_addr="h:1"),
+            "http://host:port",
+        ),
+        ("decode", lambda b: b.update(prompt="other"), "prompt"),
+    ],
+)
+def test_protocol_check_negative_controls(leg: str, edit: Any, why: str) -> None:
+    problems = broken(leg, edit)
+    assert problems and any(why in p for p in problems), problems
+
+
+def test_tap_records_and_stubs_answer() -> None:
+    stub = http_tap.Tap(
+        "stub", free_port(), None, respond=router_overhead.stub_vllm("m")
+    )
+    tap = http_tap.Tap("tap", free_port(), stub.url)
+    with http_tap.TapServer([stub, tap]) as server:
+        ok = requests.post(
+            f"{tap.url}/v1/completions", json={"prompt": "x"}, timeout=10
+        )
+        missing = requests.get(f"{tap.url}/nowhere", timeout=10)
+        stream = requests.post(
+            f"{tap.url}/v1/completions",
+            json={"prompt": "y", "stream": True},
+            timeout=10,
+        )
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "x"
+    assert missing.status_code == 404
+    assert stream.text.count("data: ") == 3 and stream.text.endswith("data: [DONE]\n\n")
+    seen = [(e.tap, e.method, e.path, e.status) for e in server.exchanges()]
+    assert ("tap", "POST", "/v1/completions", 200) in seen
+    assert ("tap", "GET", "/nowhere", 404) in seen
+    assert tap.exchanges[0].request == {"prompt": "x"}
+
+
+def test_real_router_protocol_through_taps(tmp_path: Path) -> None:
+    """vllm-router 0.1.17 itself, in front of stub backends: the legs it sends
+    are the ones the direct client builds, and the stub timing runs."""
+    model = "pd-model"
+    stubs = [
+        http_tap.Tap("p", free_port(), None, respond=router_overhead.stub_vllm(model)),
+        http_tap.Tap("d", free_port(), None, respond=router_overhead.stub_vllm(model)),
+        http_tap.Tap("b", free_port(), None, respond=router_overhead.stub_bootstrap),
+    ]
+    with http_tap.TapServer(stubs):
+        capture = router_overhead.capture(
+            stubs[0].url, stubs[1].url, stubs[2].port, tmp_path, model, requests_n=3,
+            progress=lambda _: None,
+        )  # fmt: skip
+    assert router_overhead.differences(capture.prefill_leg, capture.decode_leg) == []
+    assert capture.legs_in_order
+    assert capture.decode_leg["kv_transfer_params"]["remote_engine_id"] == "stub-engine"
+    assert capture.bootstrap_queries >= 1
+    overhead = router_overhead.measure_on_stubs(model, 20, tmp_path, lambda _: None)
+    assert len(overhead.router_ms) == len(overhead.direct_ms) == 20
+    summary = router_overhead.summary(overhead)
+    assert summary["pairs"] == 20 and len(summary["p50_overhead_interval_ms"]) == 2
+
+
+# --- report ---------------------------------------------------------------------
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(FIXTURE, target)
+    return target
+
+
+def test_report_from_a_recorded_run(run_dir: Path) -> None:
+    summary = report.build(run_dir)
+    text = (run_dir / "report.md").read_text()
+    raw = {
+        p.stem: json.loads(p.read_text()) for p in (run_dir / "raw").glob("*-c?.json")
+    }
+    assert len(summary["levels"]) == 2
+    for level in summary["levels"]:
+        pd = raw[f"pd-in{level['input_len']}-c{level['concurrency']}"]
+        colo = raw[f"colocated-in{level['input_len']}-c{level['concurrency']}"]
+        for key, _ in report.METRICS:
+            want = pd[key] / colo[key]
+            assert level["ratio_pd_over_colocated"][key] == pytest.approx(want)
+        assert level["kv"]["transfers"] == pd["completed"]
+    assert summary["layout_checks_ok"] is True
+    assert "| 128 | 1 |" in text and "OK: " in text
+    names = [t["name"] for t in summary["targets"]]
+    assert len(names) == 4 and any("Router" in n for n in names)
+    png = run_dir / "report.png"
+    try:
+        import matplotlib  # noqa: F401  (requirements/bench.txt)
+    except ImportError:
+        assert not png.exists() and "report.png" not in text
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "![" in text
+
+
+def test_report_flags_a_layout_mismatch(run_dir: Path) -> None:
+    """Negative control: one block too many in a recorded level is reported."""
+    kv_file = next((run_dir / "raw").glob("pd-*.kv.json"))
+    data = json.loads(kv_file.read_text())
+    data["bytes"] += BLOCK
+    kv_file.write_text(json.dumps(data))
+    summary = report.build(run_dir)
+    assert summary["layout_checks_ok"] is False
+    assert "MISMATCH" in (run_dir / "report.md").read_text()
+
+
+def test_targets_are_judged_by_their_numbers() -> None:
+    lens = [4096]
+    result = {"target": "pd", "input_len": 4096, "concurrency": 1, "completed": 1,
+              "mean_ttft_ms": 10_000.0, "input_lens": lens, "errors": [""]}  # fmt: skip
+    level = report.LevelResult.from_json(result)
+    fast = report.Pair(4096, 1, level, None, counters(lens, seconds=0.4))
+    slow = report.Pair(4096, 1, level, None, counters(lens, seconds=0.6))
+    assert report.targets([fast], None, [], None)[0].met is True
+    assert report.targets([slow], None, [], None)[0].met is False
+    memory = {"rss_total": 7 << 30, "rss_by_group": {}}
+    assert report.targets([], None, [], memory)[3].met is False
+    assert report.targets([], None, [], {**memory, "rss_total": 5 << 30})[3].met is True
+    engine = [te.Comparison(64 << 20, 0.7e9, 1.0e9, 5e9, None)]
+    assert report.targets([], None, engine, None)[2].met is False
+    engine = [te.Comparison(64 << 20, 0.9e9, 1.0e9, 5e9, None)]
+    assert report.targets([], None, engine, None)[2].met is True
+    assert all(t.met is None for t in report.targets([], None, [], None))
+
+
+def test_level_parser_rejects_what_is_not_a_bench_result() -> None:
+    with pytest.raises(report.ReportError, match="missing"):
+        report.LevelResult.from_json({"completed": 3})
+    with pytest.raises(report.ReportError, match="unknown target"):
+        report.LevelResult.from_json(
+            {"target": "x", "input_len": 1, "concurrency": 1, "completed": 1}
+        )
+
+
+# --- settings and the vllm bench command line ---------------------------------------
+def test_settings_parsers() -> None:
+    assert settings.parse_size("64K") == 65536
+    assert settings.parse_sizes("64K,256M") == (65536, 256 << 20)
+    assert settings.parse_ints("1,4,16") == (1, 4, 16)
+    for bad in ("12X", "", "-1"):
+        with pytest.raises(settings.SettingsError):
+            settings.parse_sizes(bad)
+    for bad in ("1,a", "0", ""):
+        with pytest.raises(settings.SettingsError):
+            settings.parse_ints(bad)
+
+
+def parsed(**env: str) -> settings.Settings:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser, env)
+    return settings.from_args(parser.parse_args([]))
+
+
+def test_levels_respect_the_token_budget_cheapest_first() -> None:
+    chosen = parsed(BENCH_INPUT_LENS="128,4096", BENCH_CONCURRENCY="1,16",
+                    BENCH_MAX_BATCH_TOKENS="16384")  # fmt: skip
+    assert chosen.levels() == [(128, 1), (128, 16), (4096, 1)]
+    assert chosen.skipped_levels() == [(4096, 16)]
+    assert chosen.num_prompts(1) == 2 and chosen.num_prompts(16) == 16
+    with pytest.raises(settings.SettingsError, match="BENCH_DECODE_URL"):
+        parsed(BENCH_ROUTER_URL="http://a", BENCH_PREFILL_URL="http://b",
+               BENCH_COLOCATED_URL="http://c")  # fmt: skip
+
+
+def test_vllm_bench_serve_accepts_the_bench_arguments(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    BenchmarkServingSubcommand.add_cli_args(parser)
+    level = Level("pd", "http://127.0.0.1:9", 1024, 4, 4, 7, str(tmp_path / "r.json"))
+    plan = Plan("pd-model", "/tok", 64, 60.0, (level,))
+    args = parser.parse_args(bench_serve_args(plan, level))
+    assert (args.random_input_len, args.random_output_len) == (1024, 64)
+    assert (args.max_concurrency, args.num_prompts, args.seed) == (4, 4, 7)
+    assert args.percentile_metrics == "ttft,tpot,itl,e2el"
+    assert args.save_result and args.save_detailed
+    with pytest.raises(SystemExit):  # negative control: the parser is strict
+        parser.parse_args([*bench_serve_args(plan, level), "--no-such-flag"])
+
+
+def test_scheduling_fix_only_where_prompts_would_hang() -> None:
+    assert scheduling_fix({"max-model-len": 8192}, "cpu") == {
+        "max-num-batched-tokens": "8192"
+    }
+    assert scheduling_fix({"max-model-len": 8192}, "gpu") == {}
+    assert scheduling_fix({"max-model-len": 2048}, "cpu") == {}
+    assert (
+        scheduling_fix({"max-model-len": 8192, "max-num-batched-tokens": 4096}, "cpu")
+        == {}
+    )
