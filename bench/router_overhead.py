@@ -206,9 +206,9 @@ def capture(
     router_url = f"http://{HOST}:{router_port}"
     argv = [
         str(Path(sys.executable).parent / "vllm-router"),
-        *config.router_args(taps[0].url, taps[2].port, taps[1].url, HOST, router_port),
-        "--prometheus-port",
-        str(free_port()),
+        *config.router_args(
+            taps[0].url, taps[2].port, taps[1].url, HOST, router_port, free_port()
+        ),
     ]
     log = run_dir / "router-tapped.log"
     pairs: list[tuple[http_tap.Exchange, http_tap.Exchange]] = []
@@ -446,9 +446,9 @@ def measure_on_stubs(
     router_url = f"http://{HOST}:{router_port}"
     argv = [
         str(Path(sys.executable).parent / "vllm-router"),
-        *config.router_args(taps[0].url, taps[2].port, taps[1].url, HOST, router_port),
-        "--prometheus-port",
-        str(free_port()),
+        *config.router_args(
+            taps[0].url, taps[2].port, taps[1].url, HOST, router_port, free_port()
+        ),
     ]
     log = run_dir / "router-stubs.log"
     with http_tap.TapServer(taps), log.open("wb") as out:

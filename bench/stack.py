@@ -1,13 +1,11 @@
 """The servers the bench starts on the CPU twin: the P/D stack and a colocated one.
 
 Built from the same pdstack functions as the twin (``serve.command`` renders
-prefill and decode from configs/, ``config.router_args`` the router), with two
-differences, each logged when applied:
+prefill and decode from configs/, ``config.router_args`` the router), with one
+difference, logged:
 
-- the router gets its own Prometheus port: vllm-router binds 29000 by default,
-  so two twins on one host (CI and a bench) would collide there;
-- where a prompt longer than vLLM's scheduling budget could never run, the
-  budget is raised to max-model-len (see ``scheduling_fix``).
+- the router gets a free Prometheus port: vllm-router binds 29000 by default,
+  so two twins on one host (CI and a bench) would collide there.
 
 Every process runs in its own session; ``stop`` signals the whole group
 (vLLM forks an engine core). Pids and start times are kept in
@@ -65,41 +63,6 @@ def port_in_use(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
         return probe.connect_ex((HOST, port)) == 0
-
-
-def scheduling_fix(flags: Mapping[str, Any], target: str) -> dict[str, str]:
-    """Flags that let every prompt up to max-model-len be scheduled.
-
-    On CPU, vLLM turns chunked prefill off for MLA and raises
-    max_num_batched_tokens to max-model-len, but only after the speculative
-    decoding settings have fixed max_num_scheduled_tokens at the old 2048: a
-    longer prompt then waits forever without an error. Setting the budget
-    explicitly avoids it; a no-op once configs/ sets it.
-    """
-    if target != "cpu" or "max-num-batched-tokens" in flags:
-        return {}
-    max_len = flags.get("max-model-len")
-    if max_len is None or int(max_len) <= 2048:
-        return {}
-    return {"max-num-batched-tokens": str(max_len)}
-
-
-# Mooncake's TCP transport queues at most 1024 transfers (descriptors) per peer
-# by default and rejects the rest ("TCP lane queue-full rejection"): a
-# 4096-token prompt whose blocks are not contiguous needs 256 blocks x 9
-# regions = 2304 descriptors, so its transfer fails at once, and on the twin
-# the peer's later transfers kept failing after it.
-TRANSFER_ENV = {
-    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "16384",
-    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "16384",
-}
-
-
-def transfer_fix(env: Mapping[str, str]) -> dict[str, str]:
-    """TRANSFER_ENV entries not already set (in ``env`` or os.environ)."""
-    return {
-        k: v for k, v in TRANSFER_ENV.items() if k not in env and k not in os.environ
-    }
 
 
 def _record(run_dir: Path, servers: Mapping[str, Server]) -> None:
@@ -221,7 +184,6 @@ def _vllm_argv(
     from pdstack import serve
 
     argv, env = serve.command(role, profile, "cpu", HOST)
-    flags = config.vllm_flags(role, profile, "cpu")
     notes = []
     for flag in drop:
         if f"--{flag}" in argv:
@@ -229,9 +191,6 @@ def _vllm_argv(
             del argv[i : i + 2]
     i = argv.index("--port")
     argv[i + 1] = str(port)
-    for flag, value in scheduling_fix(flags, "cpu").items():
-        argv += [f"--{flag}", value]
-        notes.append(f"--{flag} {value} (prompts over 2048 tokens hang otherwise)")
     return argv, env, notes
 
 
@@ -271,13 +230,6 @@ def start_pd(
     for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
         argv, env, changed = _vllm_argv(role, profile, port)
         notes += [f"{role}: {c}" for c in changed]
-        fix = transfer_fix(env)
-        if fix:
-            env = {**env, **fix}
-            notes.append(
-                f"{role}: {' '.join(f'{k}={v}' for k, v in fix.items())} (Mooncake "
-                "TCP rejects transfers of more than 1024 descriptors per peer)"
-            )
         stack.launch(role, argv, env, f"http://{HOST}:{port}")
     timings = {}
     for role in ("prefill", "decode"):
@@ -287,10 +239,13 @@ def start_pd(
     router_argv = [
         str(Path(sys.executable).parent / "vllm-router"),
         *config.router_args(
-            urls.prefill, urls.bootstrap_port, urls.decode, HOST, ports.router
+            urls.prefill,
+            urls.bootstrap_port,
+            urls.decode,
+            HOST,
+            ports.router,
+            metrics_port,
         ),
-        "--prometheus-port",
-        str(metrics_port),
     ]
     notes.append(f"router: --prometheus-port {metrics_port} (29000 may be taken)")
     stack.launch("router", router_argv, {}, urls.router)

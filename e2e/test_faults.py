@@ -27,6 +27,8 @@ from typing import Any
 
 import pytest
 import requests
+
+from conftest import E2E_RUN_DIR
 from faults_helpers import (
     FaultStack,
     Outcome,
@@ -45,8 +47,6 @@ from faults_helpers import (
     stream_then_leave,
     wait_idle,
 )
-
-from conftest import E2E_RUN_DIR
 from pdstack import config, twin, wait
 from pdstack import metrics as m
 

@@ -134,12 +134,25 @@ def render(flags: Mapping[str, Any], substitutions: Mapping[str, str]) -> list[s
     return argv
 
 
-# Site settings that cannot live in configs/ (they differ per host), set in
-# .env by compose: environment variable -> (flag, key inside it or None, type).
-ENV_OVERRIDES: dict[str, tuple[str, str | None, type]] = {
-    "PD_MOONCAKE_PROTOCOL": ("kv-transfer-config", "mooncake_protocol", str),
-    "PD_MOONCAKE_DEVICE": ("kv-transfer-config", "device_name", str),
-    "PD_GPU_MEMORY_UTILIZATION": ("gpu-memory-utilization", None, float),
+# Site settings that cannot live in configs/ (they differ per host or per
+# replica), set in .env by compose or by Kubernetes: environment variable ->
+# (flag, path of keys inside its JSON value (empty: the flag itself), type).
+ENV_OVERRIDES: dict[str, tuple[str, tuple[str, ...], type]] = {
+    "PD_MOONCAKE_PROTOCOL": (
+        "kv-transfer-config",
+        ("kv_connector_extra_config", "mooncake_protocol"),
+        str,
+    ),
+    "PD_MOONCAKE_DEVICE": (
+        "kv-transfer-config",
+        ("kv_connector_extra_config", "device_name"),
+        str,
+    ),
+    "PD_GPU_MEMORY_UTILIZATION": ("gpu-memory-utilization", (), float),
+    # One stable engine id per prefill replica (configs/vllm/prefill.yaml:
+    # one id for every replica would mix their side channels); Kubernetes sets
+    # it to the StatefulSet pod name, which survives a restart.
+    "PD_ENGINE_ID": ("kv-transfer-config", ("engine_id",), str),
 }
 
 
@@ -149,7 +162,7 @@ def with_env_overrides(
     """``flags`` with the ENV_OVERRIDES that are set (non-empty) applied."""
     env = os.environ if env is None else env
     out = copy.deepcopy(dict(flags))
-    for var, (flag, key, kind) in ENV_OVERRIDES.items():
+    for var, (flag, path, kind) in ENV_OVERRIDES.items():
         raw = env.get(var, "")
         if not raw:
             continue
@@ -157,11 +170,13 @@ def with_env_overrides(
             value = kind(raw)
         except ValueError as exc:
             raise ConfigError(f"{var}={raw!r}: expected {kind.__name__}") from exc
-        if key is None:
+        if not path:
             out[flag] = value
-        else:
-            extra = out.setdefault(flag, {}).setdefault("kv_connector_extra_config", {})
-            extra[key] = value
+            continue
+        node = out.setdefault(flag, {})
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
     return out
 
 

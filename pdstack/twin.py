@@ -212,7 +212,26 @@ def down(run_dir: Path = RUN_DIR, progress=print) -> None:
     for pid in alive.values():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
+    # SIGKILL is delivered asynchronously: return only once the groups are gone.
+    deadline = time.monotonic() + STOP_GRACE_S
+    while any(_group_alive(pid) for pid in alive.values()):
+        if time.monotonic() > deadline:
+            progress("some processes outlived SIGKILL; see `ps -eo pid,pgid,cmd`")
+            break
+        time.sleep(0.05)
     _state_file(run_dir).unlink(missing_ok=True)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is in process group ``pgid``."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
 
 
 # --- One role at a time: what a supervisor (compose `restart:`, Kubernetes)

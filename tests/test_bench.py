@@ -21,7 +21,7 @@ import requests
 
 from bench import http_tap, kv_transfer, report, router_overhead, settings
 from bench import transfer_engine as te
-from bench.stack import free_port, scheduling_fix
+from bench.stack import free_port
 from bench.vllm_bench import Level, Plan, bench_serve_args
 from pdstack import kv_layout
 
@@ -344,15 +344,3 @@ def test_vllm_bench_serve_accepts_the_bench_arguments(tmp_path: Path) -> None:
     assert args.save_result and args.save_detailed
     with pytest.raises(SystemExit):  # negative control: the parser is strict
         parser.parse_args([*bench_serve_args(plan, level), "--no-such-flag"])
-
-
-def test_scheduling_fix_only_where_prompts_would_hang() -> None:
-    assert scheduling_fix({"max-model-len": 8192}, "cpu") == {
-        "max-num-batched-tokens": "8192"
-    }
-    assert scheduling_fix({"max-model-len": 8192}, "gpu") == {}
-    assert scheduling_fix({"max-model-len": 2048}, "cpu") == {}
-    assert (
-        scheduling_fix({"max-model-len": 8192, "max-num-batched-tokens": 4096}, "cpu")
-        == {}
-    )

@@ -53,6 +53,15 @@ def test_env_overrides_reach_the_connector_config() -> None:
     }
 
 
+def test_each_prefill_replica_can_have_its_own_engine_id() -> None:
+    base = config.vllm_flags("prefill", "tiny", "gpu")
+    assert base["kv-transfer-config"]["engine_id"] == "pd-prefill"
+    flags = config.with_env_overrides(base, {"PD_ENGINE_ID": "prefill-1"})
+    assert flags["kv-transfer-config"]["engine_id"] == "prefill-1"
+    # The connector's other settings stay.
+    assert flags["kv-transfer-config"]["kv_role"] == "kv_producer"
+
+
 def test_bad_override_names_the_variable() -> None:
     with pytest.raises(config.ConfigError, match="PD_GPU_MEMORY_UTILIZATION"):
         config.with_env_overrides({}, {"PD_GPU_MEMORY_UTILIZATION": "most"})
@@ -76,3 +85,15 @@ def test_ports_come_from_ports_env_and_the_environment_wins() -> None:
     assert config.ports({"DECODE_PORT": "9200"}).decode == 9200
     with pytest.raises(config.ConfigError, match="bad or missing port"):
         config.ports({"ROUTER_PORT": "http"})
+
+
+def test_cpu_token_budget_covers_the_longest_prompt() -> None:
+    """Without chunked prefill (MLA on CPU) a prompt over the per-step budget
+    is never scheduled: the budget must reach max-model-len."""
+    cpu = config.target("cpu")["vllm"]
+    profiles = sorted(p.stem for p in (config.CONFIGS / "profiles").glob("*.yaml"))
+    cpu_profiles = [p for p in profiles if config.profile(p).get("generate")]
+    assert cpu_profiles == ["tiny"]
+    for name in cpu_profiles:
+        max_len = int(config.profile(name)["vllm"]["max-model-len"])
+        assert int(cpu["max-num-batched-tokens"]) >= max_len, name

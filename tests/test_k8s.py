@@ -911,6 +911,9 @@ K8S_ONLY_SERVING_ENV = {
     "ROUTER_METRICS_PORT",
     # The pod IP that Mooncake advertises to its peers (prefill.yaml).
     "VLLM_HOST_IP",
+    # One engine id per prefill replica, the pod name (prefill.yaml); compose
+    # runs one prefill, with configs/vllm/prefill.yaml's id.
+    "PD_ENGINE_ID",
 }
 # And the router's: pd-ports again; the URLs themselves are compared apart.
 K8S_ONLY_ROUTER_ENV = {"PREFILL_PORT", "DECODE_PORT"}
@@ -953,7 +956,17 @@ def test_servers_run_what_compose_runs(
     assert mine["PD_PROFILE"] == twin.profile
     assert env_drift(theirs, mine, K8S_ONLY_SERVING_ENV) == []
     expected = served(service["command"], theirs, monkeypatch, capsys)
+    engine_id = mine.pop("PD_ENGINE_ID", None)
     assert served(container["args"], mine, monkeypatch, capsys) == expected
+    # Each prefill pod's own engine id (its name) is the only difference.
+    assert (engine_id is not None) == (role == "prefill")
+    if engine_id is not None:
+        mine["PD_ENGINE_ID"] = engine_id
+        ours = served(container["args"], mine, monkeypatch, capsys)
+        assert ours == expected.replace(
+            '"engine_id":"pd-prefill"', '"engine_id":"<field metadata.name>"'
+        )
+        assert ours != expected
     # Not vacuous: the printout is vLLM's command line for this role.
     assert "vllm.entrypoints.openai.api_server" in expected
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
@@ -1083,10 +1096,14 @@ def test_shm_and_grace_period_match_compose(overlay: str) -> None:
 
 def role_neutral(workload: Object) -> Object:
     """A server's pod template with what legitimately differs by role removed:
-    the role names, the bootstrap server (prefill only) and port numbers."""
+    the role names, the bootstrap server and the engine id (prefill only) and
+    port numbers."""
     template = copy.deepcopy(workload["spec"]["template"])
     template["metadata"].pop("annotations", None)
     for container in template["spec"]["containers"]:
+        container["env"] = [
+            e for e in container.get("env", []) if e["name"] != "PD_ENGINE_ID"
+        ]
         container["ports"] = [
             {**p, "containerPort": "N"}
             for p in container.get("ports", [])

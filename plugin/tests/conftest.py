@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -128,6 +129,10 @@ def make_worker(
     worker._prepared_transfer_regions = {}
     worker.backport = backport
     worker.regions = []
+    worker.protocol = "tcp"
+    worker.vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=NUM_BLOCKS * BLOCK_SIZE)
+    )
     from pd_mooncake.metrics import PDMooncakeStats
 
     worker.xfer_stats = PDMooncakeStats()

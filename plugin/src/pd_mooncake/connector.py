@@ -18,7 +18,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
 
-from pd_mooncake import cpu_support, extra_config, faults, registration, reliability
+from pd_mooncake import (
+    cpu_support,
+    extra_config,
+    faults,
+    registration,
+    reliability,
+    tcp_limits,
+)
 from pd_mooncake.metrics import (
     PDMooncakePromMetrics,
     PDMooncakeStats,
@@ -55,9 +62,13 @@ def _upstream_builds(worker_cls: type) -> Iterator[None]:
 
 class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        # Upstream's default protocol is rdma.
+        self.protocol = extra.get("mooncake_protocol", "rdma")
+        # Before super(): the TransferEngine reads these when it is built.
+        tcp_limits.raise_queue_limits(self.protocol)
         with cpu_support.cpu_device_index():
             super().__init__(vllm_config, engine_id, kv_cache_config)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.backport = bool(extra.get("force_registration_backport")) or (
             not registration.upstream_has_fix(upstream.MooncakeConnectorWorker)
         )
@@ -111,6 +122,12 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         self.regions = self._describe_regions(kv_caches)
         self.xfer_stats.region_map = self._region_map()
         self._log_region_report()
+        tcp_limits.warn_if_prompt_can_overflow(
+            self.protocol,
+            self.vllm_config.model_config.max_model_len,
+            getattr(self, "kernel_block_size", self.block_size),
+            len(self.regions),
+        )
 
     def _mla_layers(self, kv_caches: dict[str, torch.Tensor]) -> set[str]:
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
