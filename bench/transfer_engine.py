@@ -216,6 +216,7 @@ def run(
 
         for size in sorted(sizes):
             want = digest(source, size)
+            plans: list[tuple[Sample, Callable[[], None]]] = []
             for method in methods:
                 sample = Sample(method, size, repeats_for(size))
                 if method in ("engine", TUNED_METHOD):
@@ -243,25 +244,33 @@ def run(
                     def once(size=size) -> None:
                         np.copyto(scratch[:size], source[:size])
 
-                if method != "memcpy":
-                    ask("clear", size)
-                for _ in range(repeats):
+                plans.append((sample, once))
+            # Methods take turns, so a change in the machine's load touches
+            # every method alike instead of skewing one ratio.
+            for _ in range(repeats):
+                for sample, once in plans:
+                    memcpy = sample.method == "memcpy"
+                    if memcpy:
+                        scratch[:size] = 0
+                    else:
+                        ask("clear", size)
                     start = time.perf_counter()
                     for _ in range(sample.repeats_per_sample):
                         once()
                     sample.seconds.append(time.perf_counter() - start)
-                got = (
-                    digest(scratch, size) if method == "memcpy" else ask("digest", size)
-                )
-                sample.verified = got == want
-                if not sample.verified:
-                    raise TransferBenchError(
-                        f"{method} at {size} bytes: the receiver's bytes differ"
-                    )
+                    got = digest(scratch, size) if memcpy else ask("digest", size)
+                    if got != want:
+                        sample.verified = False
+                        raise TransferBenchError(
+                            f"{sample.method} at {size} bytes: the receiver's "
+                            "bytes differ"
+                        )
+                    sample.verified = True
+            for sample, _ in plans:
                 samples.append(sample)
                 gbps = sample.median_bps() / 1e9
                 progress(
-                    f"  {method:<17} {size:>11} B: {gbps:6.2f} GB/s"
+                    f"  {sample.method:<17} {size:>11} B: {gbps:6.2f} GB/s"
                     + (
                         f" ({sample.descriptors} descriptors)"
                         if sample.descriptors > 1
