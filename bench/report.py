@@ -149,7 +149,9 @@ class Pair:
     def kv_cost(self) -> kv_transfer.TransferCost | None:
         if self.kv_counters is None or self.pd is None:
             return None
-        return kv_transfer.cost(self.kv_counters, self.pd.mean_ttft_ms)
+        return kv_transfer.cost(
+            self.kv_counters, len(self.pd.input_lens), self.pd.mean_ttft_ms
+        )
 
     def layout(self, profile: str) -> kv_transfer.LayoutCheck | None:
         if self.kv_counters is None or self.pd is None:
@@ -209,12 +211,13 @@ def _kv_share_target(pairs: Sequence[Pair]) -> Target:
     return Target(
         name,
         f"<= {KV_SHARE_TARGET:.0%}",
-        f"{fmt_pct(share)} ({cost.seconds_per_request * 1e3:.0f} ms of "
+        f"{fmt_pct(share)} ({cost.seconds_per_transfer * 1e3:.0f} ms of "
         f"{fmt(pair.pd.mean_ttft_ms if pair.pd else None, 0)} ms mean TTFT, "
         f"concurrency {pair.concurrency})",
         None if share is None else share <= KV_SHARE_TARGET,
-        f"{human_bytes(cost.bytes_per_request)} per request in "
-        f"{cost.descriptors_per_request:.0f} descriptors at {cost.mb_per_s:.0f} MB/s",
+        f"{human_bytes(cost.bytes_per_request)} per request, "
+        f"{cost.descriptors_per_transfer:.0f} descriptors per transfer, "
+        f"{cost.mb_per_s:.0f} MB/s",
         f"In the stack the transfer ran at {cost.mb_per_s:.0f} MB/s, far below what "
         "the engine alone reaches for one descriptor of that size (transfer-engine "
         "table): the cost is per descriptor (one per block run and KV region, each "
@@ -307,25 +310,29 @@ def _engine_target(comparisons: Sequence[te.Comparison]) -> Target:
 
 
 def _memory_target(memory: Mapping[str, Any] | None) -> Target:
-    name = "Peak resident memory of the P/D twin (sum of RSS)"
+    """Judged on PSS, the memory the processes occupy together: RSS counts the
+    pages they share (torch's libraries, in six processes) once per process."""
+    name = "Peak resident memory of the P/D twin (sum over its processes, PSS)"
     if not memory or not memory.get("rss_total"):
         return Target(name, "<= 6 GiB", "not measured", None)
     rss = int(memory["rss_total"])
     pss = int(memory.get("pss_total") or 0)
+    measured = pss or rss
     return Target(
         name,
         "<= 6 GiB",
-        f"{rss / GIB:.2f} GiB",
-        rss <= MEMORY_TARGET_BYTES,
-        ", ".join(
+        f"{measured / GIB:.2f} GiB" + ("" if pss else " (RSS; PSS not sampled)"),
+        measured <= MEMORY_TARGET_BYTES,
+        f"RSS sum {rss / GIB:.2f} GiB (shared pages counted in every process): "
+        + ", ".join(
             f"{k} {v / GIB:.2f}" for k, v in memory.get("rss_by_group", {}).items()
         )
-        + (f" GiB; PSS sum {pss / GIB:.2f} GiB (shared pages once)" if pss else ""),
-        "Each vLLM server is three processes (API server, engine core, worker), each "
-        "loading torch (about 0.7 GiB resident apiece), and the worker holds "
-        "`VLLM_CPU_KVCACHE_SPACE` (1 GiB) of KV cache; RSS counts shared pages in "
-        "every process, PSS once. What would move it: a smaller "
-        "`VLLM_CPU_KVCACHE_SPACE`, fewer processes per server.",
+        + " GiB",
+        "Each vLLM server on CPU is three processes (API server, engine core, "
+        "worker), each loading torch (about 0.7 GiB resident apiece), and the "
+        "worker holds its KV cache (`kv-cache-memory-bytes` in "
+        "configs/targets/cpu.yaml). What would move it: a smaller KV cache, fewer "
+        "processes per server.",
     )
 
 
@@ -362,8 +369,9 @@ def comparison_table(pairs: Sequence[Pair]) -> list[str]:
 
 def kv_table(pairs: Sequence[Pair], profile: str) -> list[str]:
     head = [
-        "prompt", "conc.", "requests", "bytes/request", "descriptors/request",
-        "transfer ms/request", "share of mean TTFT", "effective MB/s", "layout check",
+        "prompt", "conc.", "requests / transfers", "bytes/request",
+        "descriptors/transfer", "ms per transfer", "share of mean TTFT",
+        "effective MB/s", "layout check",
     ]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for pair in pairs:
@@ -382,10 +390,10 @@ def kv_table(pairs: Sequence[Pair], profile: str) -> list[str]:
                 [
                     str(pair.input_len),
                     str(pair.concurrency),
-                    str(cost.transfers),
+                    f"{cost.requests} / {cost.transfers}",
                     f"{cost.bytes_per_request:,.0f}",
-                    f"{cost.descriptors_per_request:.0f}",
-                    f"{cost.seconds_per_request * 1e3:.1f}",
+                    f"{cost.descriptors_per_transfer:.0f}",
+                    f"{cost.seconds_per_transfer * 1e3:.1f}",
                     fmt_pct(cost.share_of_ttft),
                     f"{cost.mb_per_s:.0f}",
                     verdict,

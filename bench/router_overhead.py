@@ -25,6 +25,7 @@ end-to-end latency minus the same percentile of the two direct legs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import http.client
 import json
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,37 @@ class Capture:
     failed_requests: list[str] = field(default_factory=list)
 
 
+@contextlib.contextmanager
+def router_behind(
+    taps: list[http_tap.Tap], log: Path, label: str, progress: Progress
+) -> Iterator[tuple[str, http_tap.TapServer]]:
+    """The real vllm-router with the stack's flags, its backends the taps
+    (prefill, decode, bootstrap); yields its URL and the taps' server."""
+    router_port = free_port()
+    router_url = f"http://{HOST}:{router_port}"
+    argv = [
+        str(Path(sys.executable).parent / "vllm-router"),
+        *config.router_args(
+            taps[0].url, taps[2].port, taps[1].url, HOST, router_port, free_port()
+        ),
+    ]
+    with http_tap.TapServer(taps) as server, log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            wait.until_healthy(label, router_url, 60, proc, log, progress)
+            yield router_url, server
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
 def capture(
     prefill_url: str,
     decode_url: str,
@@ -202,65 +234,40 @@ def capture(
             "bootstrap", free_port(), bootstrap_url(prefill_url, bootstrap_port)
         ),
     ]
-    router_port = free_port()
-    router_url = f"http://{HOST}:{router_port}"
-    argv = [
-        str(Path(sys.executable).parent / "vllm-router"),
-        *config.router_args(
-            taps[0].url, taps[2].port, taps[1].url, HOST, router_port, free_port()
-        ),
-    ]
-    log = run_dir / "router-tapped.log"
     pairs: list[tuple[http_tap.Exchange, http_tap.Exchange]] = []
     own_ms: list[float] = []
     failures: list[str] = []
-    with http_tap.TapServer(taps) as server, log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            wait.until_healthy("tapped router", router_url, 60, proc, log, progress)
-            session = requests.Session()
-            # A request may fail on a busy host (a KV transfer timing out):
-            # it is counted, and the capture goes on up to twice as many tries.
-            for i in range(2 * requests_n):
-                if len(pairs) == requests_n:
-                    break
-                body = {"model": model, "prompt": f"{i} {PROMPT}", "max_tokens": 4,
-                        "temperature": 0.0}  # fmt: skip
-                mark = len(server.exchanges("/v1/completions"))
-                start = time.monotonic()
-                answer = session.post(
-                    f"{router_url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S
-                )
-                took = time.monotonic() - start
-                legs = server.exchanges("/v1/completions")[mark:]
-                seen = [e.tap for e in legs]
-                if seen != ["prefill", "decode"]:
-                    raise ProtocolError(
-                        f"expected prefill then decode legs, saw {seen}"
-                    )
-                if answer.status_code != 200:
-                    failures.append(f"HTTP {answer.status_code}: {answer.text[:200]}")
-                    continue
-                pairs.append((legs[0], legs[1]))
-                # The first request also waits for the bootstrap query.
-                if i > 0:
-                    own_ms.append(
-                        (took - sum(e.finished - e.started for e in legs)) * 1e3
-                    )
-            if not pairs:
-                raise ProtocolError(
-                    f"no request through the tapped router succeeded: {failures}"
-                )
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+    log = run_dir / "router-tapped.log"
+    with router_behind(taps, log, "tapped router", progress) as (router_url, server):
+        session = requests.Session()
+        # A request may fail on a busy host (a KV transfer timing out):
+        # it is counted, and the capture goes on up to twice as many tries.
+        for i in range(2 * requests_n):
+            if len(pairs) == requests_n:
+                break
+            body = {"model": model, "prompt": f"{i} {PROMPT}", "max_tokens": 4,
+                    "temperature": 0.0}  # fmt: skip
+            mark = len(server.exchanges("/v1/completions"))
+            start = time.monotonic()
+            answer = session.post(
+                f"{router_url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S
+            )
+            took = time.monotonic() - start
+            legs = server.exchanges("/v1/completions")[mark:]
+            seen = [e.tap for e in legs]
+            if seen != ["prefill", "decode"]:
+                raise ProtocolError(f"expected prefill then decode legs, saw {seen}")
+            if answer.status_code != 200:
+                failures.append(f"HTTP {answer.status_code}: {answer.text[:200]}")
+                continue
+            pairs.append((legs[0], legs[1]))
+            # The first request also waits for the bootstrap query.
+            if i > 0:
+                own_ms.append((took - sum(e.finished - e.started for e in legs)) * 1e3)
+        if not pairs:
+            raise ProtocolError(
+                f"no request through the tapped router succeeded: {failures}"
+            )
         queries = len(server.exchanges("/query"))
     prefill_leg, decode_leg = pairs[0]
     response = prefill_leg.response if isinstance(prefill_leg.response, dict) else {}
@@ -442,33 +449,12 @@ def measure_on_stubs(
         http_tap.Tap("decode", free_port(), None, respond=stub_vllm(model)),
         http_tap.Tap("bootstrap", free_port(), None, respond=stub_bootstrap),
     ]
-    router_port = free_port()
-    router_url = f"http://{HOST}:{router_port}"
-    argv = [
-        str(Path(sys.executable).parent / "vllm-router"),
-        *config.router_args(
-            taps[0].url, taps[2].port, taps[1].url, HOST, router_port, free_port()
-        ),
-    ]
     log = run_dir / "router-stubs.log"
-    with http_tap.TapServer(taps), log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+    with router_behind(taps, log, "router on stubs", progress) as (router_url, _):
+        return measure(
+            router_url, taps[0].url, taps[1].url, taps[2].url, model, pairs,
+            warmup=20, progress=progress,
         )  # fmt: skip
-        try:
-            wait.until_healthy("router on stubs", router_url, 60, proc, log, progress)
-            return measure(
-                router_url, taps[0].url, taps[1].url, taps[2].url, model, pairs,
-                warmup=20, progress=progress,
-            )  # fmt: skip
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
 
 
 def p50_interval(

@@ -264,7 +264,7 @@ def run(s: Settings) -> Path:
             try:
                 colo_url, colo_s, colo_notes = stack.start_colocated(
                     own, s.profile, s.colocated_port, s.colocated_threads,
-                    s.colocated_kv_gib, progress,
+                    progress,
                 )  # fmt: skip
                 startup["colocated server healthy"] = colo_s
                 meta["notes"] += notes + colo_notes

@@ -81,7 +81,6 @@ class Settings:
     urls: Urls | None
     colocated_port: int
     colocated_threads: int
-    colocated_kv_gib: str
     out_root: Path
     run_dir: Path
     overhead_requests: int
@@ -168,11 +167,6 @@ def add_arguments(
         default=int(_env(env, "BENCH_COLOCATED_THREADS", "2")),
         help="OMP threads of the colocated server (P/D: two 1-thread servers)",
     )
-    opt(
-        "--colocated-kv-gib",
-        default=_env(env, "BENCH_COLOCATED_KV_GIB", "2"),
-        help="its VLLM_CPU_KVCACHE_SPACE (P/D: 1 GiB on each server)",
-    )
     opt("--out", default=_env(env, "BENCH_OUT", str(ROOT / "run" / "bench")))
     opt(
         "--run-dir",
@@ -238,7 +232,6 @@ def from_args(args: argparse.Namespace) -> Settings:
         urls=urls,
         colocated_port=args.colocated_port,
         colocated_threads=args.colocated_threads,
-        colocated_kv_gib=str(args.colocated_kv_gib),
         out_root=Path(args.out),
         run_dir=Path(args.run_dir),
         overhead_requests=args.overhead_requests,

@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from pdstack import config, wait
+from pdstack import config, twin, wait
 
 HOST = "127.0.0.1"
 SERVER_DEADLINE_S = float(os.environ.get("PD_SERVER_DEADLINE_S", "600"))
@@ -137,15 +137,7 @@ class Stack:
         self, name: str, argv: list[str], env: Mapping[str, str], url: str
     ) -> Server:
         log = self.run_dir / f"{name}.log"
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **env},
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-            )
+        process = twin.launch(name, argv, env, self.run_dir)
         server = Server(name, process, log, url)
         self.servers[name] = server
         _record(self.run_dir, self.servers)
@@ -260,25 +252,28 @@ def start_colocated(
     profile: str,
     port: int,
     threads: int,
-    kv_gib: str,
     progress: Progress = print,
 ) -> tuple[str, float, list[str]]:
     """One vLLM server with P/D's flags minus the KV connector, given the
-    threads (and KV cache) of both P/D servers together."""
+    threads and the KV cache of both P/D servers together."""
     if port_in_use(port):
         raise wait.WaitError(
             f"colocated port {port} on {HOST} is in use: set BENCH_COLOCATED_PORT"
         )
-    argv, env, notes = _vllm_argv(
-        "prefill", profile, port, drop=("kv-transfer-config",)
+    kv_bytes = sum(
+        int(config.vllm_flags(role, profile, "cpu")["kv-cache-memory-bytes"])
+        for role in config.ROLES
     )
+    argv, env, notes = _vllm_argv(
+        "prefill", profile, port, drop=("kv-transfer-config", "kv-cache-memory-bytes")
+    )
+    argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
     env = {k: v for k, v in env.items() if k != "VLLM_MOONCAKE_BOOTSTRAP_PORT"}
     env["OMP_NUM_THREADS"] = str(threads)
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
     notes = [f"colocated: {n}" for n in notes]
     notes.append(
         f"colocated: no kv-transfer-config, OMP_NUM_THREADS={threads}, "
-        f"VLLM_CPU_KVCACHE_SPACE={kv_gib}"
+        f"--kv-cache-memory-bytes {kv_bytes} (prefill's and decode's together)"
     )
     url = f"http://{HOST}:{port}"
     start = time.monotonic()

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,9 +72,10 @@ def _state_file(run_dir: Path) -> Path:
     return run_dir / "processes.json"
 
 
-def _launch(
-    name: str, argv: list[str], env: dict[str, str], run_dir: Path, mode: str = "wb"
+def launch(
+    name: str, argv: list[str], env: Mapping[str, str], run_dir: Path, mode: str = "wb"
 ) -> subprocess.Popen:
+    """Start ``argv`` in its own session, output to ``run_dir/<name>.log``."""
     log = (run_dir / f"{name}.log").open(mode)
     # Own session: `down` signals the whole group (vLLM forks its engine core).
     return subprocess.Popen(
@@ -130,7 +132,7 @@ def up(
         for role in config.ROLES:
             argv, env = command(role, profile, "cpu", HOST)
             env = {**env, **(role_env or {}).get(role, {})}
-            procs[role] = _launch(role, argv, env, run_dir)
+            procs[role] = launch(role, argv, env, run_dir)
             _record(run_dir, procs)
             log = run_dir / f"{role}.log"
             progress(f"started {role} (pid {procs[role].pid}), log {log}")
@@ -145,9 +147,7 @@ def up(
                 progress,
             )
             progress(f"{role} healthy at {url} ({took:.0f}s)")
-        procs["router"] = _launch(
-            "router", router_command(u, router_extra), {}, run_dir
-        )
+        procs["router"] = launch("router", router_command(u, router_extra), {}, run_dir)
         _record(run_dir, procs)
         took = wait.until_healthy(
             "router",
@@ -296,7 +296,7 @@ def start_role(
         argv, role_env = command(role, profile, "cpu", HOST)
         url = u.prefill if role == "prefill" else u.decode
         deadline = SERVER_DEADLINE_S
-    proc = _launch(role, argv, {**role_env, **(env or {})}, run_dir, mode="ab")
+    proc = launch(role, argv, {**role_env, **(env or {})}, run_dir, mode="ab")
     _update_record(run_dir, role, proc)
     log = run_dir / f"{role}.log"
     progress(f"started {role} again (pid {proc.pid}), log {log}")

@@ -89,7 +89,8 @@ def test_layout_check_accepts_whole_blocks_per_request() -> None:
     [
         ({"bytes_delta": -BLOCK}, "layout predicts"),
         ({"bytes_delta": BLOCK // 2}, "layout predicts"),
-        ({"transfers": 2}, "2 transfers for 3 requests"),
+        ({"transfers": 4}, "4 transfers for 3 requests"),
+        ({"transfers": 0}, "0 transfers for 3 requests"),
         ({"failed_transfers": 1}, "failed transfers"),
         ({"prompt_tokens": 4354 - 1}, "prompt tokens"),
     ],
@@ -105,18 +106,40 @@ def test_layout_check_negative_controls(change: dict[str, float], why: str) -> N
     assert why in check.detail
 
 
+def test_layout_check_accepts_requests_sharing_a_transfer() -> None:
+    """Prefill batches the requests bound for one decode: bytes still add up."""
+    lens = [128, 130, 4096]
+    check = kv_transfer.check_layout(lens, counters(lens, transfers=1), "tiny")
+    assert check is not None and check.ok, check
+    assert "3 requests in 1 transfers" in check.detail
+
+
 def test_layout_check_is_skipped_without_a_layout_model() -> None:
     assert kv_transfer.check_layout([128], counters([128]), "kimi-k2.5") is None
 
 
 def test_transfer_cost_per_request() -> None:
-    cost = kv_transfer.cost(counters([4096, 4096], seconds=0.5), mean_ttft_ms=5000.0)
+    cost = kv_transfer.cost(
+        counters([4096, 4096], seconds=0.5), requests=2, mean_ttft_ms=5000.0
+    )
     assert cost is not None
     assert cost.bytes_per_request == 256 * BLOCK
-    assert cost.seconds_per_request == 0.25
+    assert cost.seconds_per_transfer == 0.25
     assert cost.share_of_ttft == pytest.approx(0.05)
     assert cost.mb_per_s == pytest.approx(2 * 256 * BLOCK / 0.5 / 1e6)
-    assert kv_transfer.cost(counters([], transfers=0), 1.0) is None
+    assert kv_transfer.cost(counters([], transfers=0), 0, 1.0) is None
+
+
+def test_transfer_cost_when_requests_share_a_transfer() -> None:
+    """Four requests in one 0.5 s transfer: each waited 0.5 s, not 0.125 s."""
+    lens = [1024] * 4
+    cost = kv_transfer.cost(
+        counters(lens, transfers=1, seconds=0.5), requests=4, mean_ttft_ms=5000.0
+    )
+    assert cost is not None
+    assert cost.bytes_per_request == 64 * BLOCK
+    assert cost.seconds_per_transfer == 0.5
+    assert cost.share_of_ttft == pytest.approx(0.1)
 
 
 # --- router protocol -----------------------------------------------------------

@@ -665,8 +665,15 @@ def test_dotenv_holds_no_secret_values() -> None:
 # --- the vLLM flags compose gives prefill and decode -----------------------------
 
 # configs/targets/cpu.yaml's `vllm:` keys: what the CPU twin changes for a CPU
-# (block size, eager mode, batch size). Nothing else may differ from a GPU host.
-DEVICE_DIFFERENCES = {"block-size", "enforce-eager", "max-num-seqs"}
+# (block size, eager mode, batch size, step token budget, KV cache size).
+# Nothing else may differ from a GPU host.
+DEVICE_DIFFERENCES = {
+    "block-size",
+    "enforce-eager",
+    "max-num-seqs",
+    "max-num-batched-tokens",
+    "kv-cache-memory-bytes",
+}
 
 
 def test_documented_device_differences_are_the_target_files() -> None:

@@ -27,8 +27,8 @@ def test_down_stops_the_recorded_processes_and_their_children(tmp_path: Path) ->
         f"import subprocess, sys, time; subprocess.Popen({SLEEPER!r}); time.sleep(600)",
     ]
     procs = {
-        "prefill": twin._launch("prefill", forking, {}, tmp_path),
-        "decode": twin._launch("decode", SLEEPER, {}, tmp_path),
+        "prefill": twin.launch("prefill", forking, {}, tmp_path),
+        "decode": twin.launch("decode", SLEEPER, {}, tmp_path),
     }
     twin._record(tmp_path, procs)
     bystander = subprocess.Popen(SLEEPER)
@@ -62,7 +62,7 @@ def test_wait_fails_fast_with_the_log_tail_when_the_process_dies(
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "prefill.log"
-    proc = twin._launch(
+    proc = twin.launch(
         "prefill",
         [sys.executable, "-c", "print('boom: no model'); raise SystemExit(3)"],
         {},
