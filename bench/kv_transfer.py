@@ -48,14 +48,21 @@ def delta_json(delta: m.Snapshot) -> dict[str, float]:
 def settle_delta(
     url: str, before: m.Snapshot, completed: int, deadline_s: float
 ) -> dict[str, float]:
-    """The counters' delta once the prompts of ``completed`` requests are
-    counted and a transfer (or a failure) has been recorded (bounded)."""
+    """The counters' delta once they stop moving (bounded): requests may
+    share transfers, so the number of transfers to wait for is not known.
+    Counted settled when a transfer (or a failure) is in and the counters
+    read the same on three scrapes in a row, half a second apart."""
+    seen: list[dict[str, float]] = []
 
     def landed(d: m.Snapshot) -> bool:
-        ended = d.total(m.TRANSFERS) + d.total(m.FAILED_TRANSFERS)
-        return completed == 0 or (d.total(PROMPT_TOKENS) > 0 and ended >= 1)
+        values = delta_json(d)
+        seen.append(values)
+        if completed == 0:
+            return True
+        ended = values["transfers"] + values["failed_transfers"]
+        return ended >= 1 and len(seen) >= 3 and seen[-3] == seen[-2] == values
 
-    return delta_json(m.settle(url, before, landed, deadline_s))
+    return delta_json(m.settle(url, before, landed, deadline_s, interval_s=0.5))
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ def settle(
     before: Snapshot,
     done: Callable[[Snapshot], bool],
     deadline_s: float = 20.0,
+    interval_s: float = 0.25,
 ) -> Snapshot:
     """Scrape until ``done(delta)``; stats reach /metrics a moment after a reply.
 
@@ -90,4 +91,4 @@ def settle(
         delta = scrape(base_url) - before
         if done(delta) or time.monotonic() > end:
             return delta
-        time.sleep(0.25)
+        time.sleep(interval_s)

@@ -1,0 +1,79 @@
+"""`make bench`'s sweep plumbing, for real, on the suite's stack.
+
+A tiny workload (two 128-token prompts, 8 output tokens) through vLLM's own
+`vllm bench serve` code (bench.vllm_bench, in its own process as `make bench`
+runs it) against the router and against the colocated reference, the
+prefill's transfer counters read around the P/D level, and the report built
+from what it wrote. No speed is asserted: only that the bench measured what
+happened (every request completed and counted, the bytes equal to the
+model's KV layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from bench import report
+from bench.vllm_bench import Level, Plan
+from conftest import Stack
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = 2
+INPUT_LEN = 128
+DEADLINE_S = 300.0
+
+
+def model_path(url: str) -> str:
+    """The served model's path (its tokenizer), as vLLM reports it."""
+    models = requests.get(f"{url}/v1/models", timeout=10).json()["data"]
+    return str(models[0]["root"])
+
+
+def test_bench_sweep_measures_the_stack(stack: Stack, tmp_path: Path) -> None:
+    profile = os.environ.get("PD_PROFILE", "tiny")
+    if profile != "tiny":
+        pytest.skip("the layout check models the tiny profile only")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    levels = tuple(
+        Level(
+            target=target,
+            base_url=url,
+            input_len=INPUT_LEN,
+            concurrency=1,
+            num_prompts=PROMPTS,
+            seed=0,
+            result_file=str(raw / f"{target}-in{INPUT_LEN}-c1.json"),
+            prefill_url=stack.prefill if target == "pd" else None,
+            kv_file=str(raw / f"pd-in{INPUT_LEN}-c1.kv.json")
+            if target == "pd"
+            else None,
+        )
+        for target, url in (("pd", stack.router), ("colocated", stack.reference))
+    )
+    plan = Plan("pd-model", model_path(stack.prefill), 8, DEADLINE_S / 2, levels)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan.to_json()))
+    (tmp_path / "meta.json").write_text(json.dumps({"profile": profile}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.vllm_bench", str(plan_file)],
+        cwd=ROOT, env=env, timeout=DEADLINE_S, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for level in levels:
+        result = json.loads(Path(level.result_file).read_text())
+        assert result["completed"] == PROMPTS, (level.target, result.get("errors"))
+    summary = report.build(tmp_path)
+    (level,) = summary["levels"]
+    assert level["kv"]["requests"] == PROMPTS
+    assert 1 <= level["kv"]["transfers"] <= PROMPTS
+    assert summary["layout_checks_ok"] is True
+    assert (tmp_path / "report.md").read_text().count("OK: ") == 1
