@@ -848,11 +848,12 @@ def test_prefill_killed_with_requests_in_flight(faults: FaultStack) -> None:
     ids_before = engine_ids(faults.bootstrap)
     # Long prompts: prefill is busy for seconds, some transfers are under way.
     bodies = [greedy(faults.prompt(600 + 40 * i, salt=4300 + i), 16) for i in range(12)]
+    started = m.scrape(faults.prefill)
     with ThreadPoolExecutor(max_workers=12) as pool:
         futures = [
             timed(pool, lambda b=b: post(faults.router, b, timeout=300)) for b in bodies
         ]
-        _until(lambda: _requests_on(faults.prefill) >= 1, 120)
+        _until(lambda: _prefill_at_work(faults.prefill, started), 120)
         with environment(faults.env):
             twin.kill("prefill", RUN_DIR, progress=_progress)
         killed_at = time.monotonic()
@@ -921,11 +922,20 @@ def test_prefill_killed_with_requests_in_flight(faults: FaultStack) -> None:
     assert found == {}
 
 
-def _requests_on(url: str) -> float:
+def _prefill_at_work(url: str, before: m.Snapshot) -> bool:
+    """Prefill holds requests, or has already computed prompts since ``before``.
+
+    The running/waiting gauges move only at step boundaries: with a step
+    budget of 8192 tokens the twin prefills most of the 12 prompts in one
+    step, and a poll can miss the gauges entirely (seen in CI). The prompt
+    token counter cannot be missed; the requests are still in flight then
+    (transfers, decode).
+    """
     snapshot = m.scrape(url)
-    return snapshot.total("vllm:num_requests_running") + snapshot.total(
+    busy = snapshot.total("vllm:num_requests_running") + snapshot.total(
         "vllm:num_requests_waiting"
     )
+    return busy >= 1 or (snapshot - before).total("vllm:prompt_tokens_total") > 0
 
 
 def _decode_state(stack: FaultStack) -> dict[str, float]:
