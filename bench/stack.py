@@ -168,22 +168,18 @@ class Stack:
 
 def _vllm_argv(
     role: str, profile: str, port: int, drop: tuple[str, ...] = ()
-) -> tuple[list[str], dict[str, str], list[str]]:
-    """pdstack.serve's command for ``role`` with the bench's adjustments.
-
-    Returns argv, environment and notes on what was changed.
-    """
+) -> tuple[list[str], dict[str, str]]:
+    """pdstack.serve's command for ``role`` on ``port``, without ``drop``'s flags."""
     from pdstack import serve
 
     argv, env = serve.command(role, profile, "cpu", HOST)
-    notes = []
     for flag in drop:
         if f"--{flag}" in argv:
             i = argv.index(f"--{flag}")
             del argv[i : i + 2]
     i = argv.index("--port")
     argv[i + 1] = str(port)
-    return argv, env, notes
+    return argv, env
 
 
 @dataclass(frozen=True)
@@ -220,8 +216,7 @@ def start_pd(
     start = time.monotonic()
     notes: list[str] = []
     for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
-        argv, env, changed = _vllm_argv(role, profile, port)
-        notes += [f"{role}: {c}" for c in changed]
+        argv, env = _vllm_argv(role, profile, port)
         stack.launch(role, argv, env, f"http://{HOST}:{port}")
     timings = {}
     for role in ("prefill", "decode"):
@@ -264,17 +259,16 @@ def start_colocated(
         int(config.vllm_flags(role, profile, "cpu")["kv-cache-memory-bytes"])
         for role in config.ROLES
     )
-    argv, env, notes = _vllm_argv(
+    argv, env = _vllm_argv(
         "prefill", profile, port, drop=("kv-transfer-config", "kv-cache-memory-bytes")
     )
     argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
     env = {k: v for k, v in env.items() if k != "VLLM_MOONCAKE_BOOTSTRAP_PORT"}
     env["OMP_NUM_THREADS"] = str(threads)
-    notes = [f"colocated: {n}" for n in notes]
-    notes.append(
+    notes = [
         f"colocated: no kv-transfer-config, OMP_NUM_THREADS={threads}, "
         f"--kv-cache-memory-bytes {kv_bytes} (prefill's and decode's together)"
-    )
+    ]
     url = f"http://{HOST}:{port}"
     start = time.monotonic()
     stack.launch("colocated", argv, env, url)

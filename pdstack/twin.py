@@ -56,9 +56,8 @@ def urls() -> Urls:
 def _start_time(pid: int) -> str | None:
     """The live process's start time (a reused pid is never mistaken for
     ours); None once it has exited, zombies included."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    if fields is None:
         return None
     if fields[0] == "Z":
         # Exited; reap it if it is our child (`up` and `down` in one process).
@@ -225,13 +224,19 @@ def down(run_dir: Path = RUN_DIR, progress=print) -> None:
 def _group_alive(pgid: int) -> bool:
     """Whether any live (non-zombie) process is in process group ``pgid``."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[2] == str(pgid) and fields[0] != "Z":
+        fields = _stat_fields(stat)
+        if fields and fields[2] == str(pgid) and fields[0] != "Z":
             return True
     return False
+
+
+def _stat_fields(stat: Path) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (state, ppid, pgrp, ...);
+    None once the process is gone."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 # --- One role at a time: what a supervisor (compose `restart:`, Kubernetes)
