@@ -124,7 +124,12 @@ def _progress(line: str) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
     outcome = yield
     report = outcome.get_result()
-    if report.when == "call" and report.failed and E2E_RUN_DIR.exists():
+    # The stack the test ran on: its module's own (the fault suite) or the
+    # session's.
+    run_dir = getattr(item.module, "RUN_DIR", E2E_RUN_DIR)
+    if report.when == "call" and report.failed and run_dir.exists():
         # The servers' own words are usually the diagnosis.
-        for log in sorted(E2E_RUN_DIR.glob("*.log")):
-            report.sections.append((f"tail of {log.name}", wait.tail(log, 30)))
+        for log in sorted(run_dir.glob("*.log")):
+            report.sections.append(
+                (f"tail of {run_dir.name}/{log.name}", wait.tail(log, 30))
+            )

@@ -29,6 +29,17 @@ def complete(
     **extra: object,
 ) -> Completion:
     """Greedy completion: temperature 0, so P/D must equal colocated exactly."""
+    return complete_all(base_url, prompt, max_tokens, timeout, **extra)[0]
+
+
+def complete_all(
+    base_url: str,
+    prompt: list[int] | str | list[list[int]],
+    max_tokens: int = 16,
+    timeout: float = REQUEST_TIMEOUT_S,
+    **extra: object,
+) -> list[Completion]:
+    """Every choice of one request (a batch of prompts, n > 1), by index."""
     body = {
         "model": MODEL,
         "prompt": prompt,
@@ -44,10 +55,13 @@ def complete(
         raise CompletionError(
             f"{base_url}: HTTP {response.status_code}: {response.text[:500]}"
         )
-    choice = response.json()["choices"][0]
-    if choice.get("token_ids") is None:
-        raise CompletionError(f"{base_url}: no token_ids in {choice}")
-    return Completion(choice["token_ids"], choice["text"], choice.get("finish_reason"))
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    missing = [c for c in choices if c.get("token_ids") is None]
+    if missing or not choices:
+        raise CompletionError(f"{base_url}: no token_ids in {missing or choices}")
+    return [
+        Completion(c["token_ids"], c["text"], c.get("finish_reason")) for c in choices
+    ]
 
 
 def tokenize(base_url: str, text: str) -> list[int]:

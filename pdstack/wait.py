@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -14,11 +15,18 @@ class WaitError(RuntimeError):
     pass
 
 
+# Access-log lines of pollers: they bury a server's last words.
+POLLING = re.compile(r'"GET /(health|metrics)[ ?]')
+
+
 def tail(path: Path, lines: int = 40) -> str:
+    """The log's last ``lines`` lines, health and metrics polls left out."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace")
     except OSError:
         return "(no log)"
+    kept = [line for line in text.splitlines() if not POLLING.search(line)]
+    return "\n".join(kept[-lines:])
 
 
 def healthy(url: str, timeout: float = 2.0) -> bool:

@@ -81,3 +81,20 @@ def test_wait_has_a_deadline(tmp_path: Path) -> None:
     with pytest.raises(wait.WaitError, match="not healthy"):
         wait.until_healthy("x", "http://127.0.0.1:9", 1.5, interval_s=0.2)
     assert time.monotonic() - start < 5
+
+
+def test_a_log_tail_leaves_out_health_and_metrics_polls(tmp_path: Path) -> None:
+    """A failing fault case once showed 30 lines of health checks and none of
+    the server's errors."""
+    log = tmp_path / "decode.log"
+    log.write_text(
+        "ERROR pulling kv_caches failed: Timeout waiting for P side ready.\n"
+        + 'INFO:     127.0.0.1:1 - "GET /health HTTP/1.1" 200 OK\n' * 50
+        + 'INFO:     127.0.0.1:1 - "GET /metrics HTTP/1.1" 200 OK\n' * 50
+        + 'INFO:     127.0.0.1:1 - "POST /v1/completions HTTP/1.1" 500\n'
+    )
+    assert wait.tail(log, 2).splitlines() == [
+        "ERROR pulling kv_caches failed: Timeout waiting for P side ready.",
+        'INFO:     127.0.0.1:1 - "POST /v1/completions HTTP/1.1" 500',
+    ]
+    assert wait.tail(tmp_path / "missing.log") == "(no log)"

@@ -29,6 +29,7 @@ from vllm.v1.request import RequestStatus
 
 from conftest import BLOCK_SIZE, kv_cache_config
 from pd_mooncake import CONNECTOR_NAME, extra_config, reliability
+from pd_mooncake import connector as connector_module
 from pd_mooncake.connector import PDMooncakeConnector, PDMooncakeConnectorWorker
 
 
@@ -52,6 +53,7 @@ def prefill_connector(guarded: bool) -> PDMooncakeConnector:
     )
     connector.connector_worker = None
     connector.transfer_guard = reliability.TransferIdGuard() if guarded else None
+    connector.randomized_ids = True
     return connector
 
 
@@ -151,6 +153,142 @@ def test_a_reused_id_waiting_in_the_queue_cannot_cancel_the_owners_send() -> Non
     queued.status = RequestStatus.FINISHED_ABORTED
     assert connector.request_finished_all_groups(queued, ([], [])) == (False, None)
     assert connector.connector_scheduler._reqs_not_processed == set()
+
+
+# --- sibling transfer ids ---------------------------------------------------------
+# Engine request ids as vLLM 0.32 makes them from vllm-router's API request id:
+# "[<child>_]<api id>[-<prompt>]-<8 random hex>" (completions add the prompt
+# index; chat does not; n > 1 adds the child index).
+API_ID = "cmpl-___prefill_addr_10.0.0.1:8100___decode_addr_10.0.0.2:8200_42e4"
+
+
+@pytest.mark.parametrize(
+    ("request_id", "own"),
+    [
+        (f"{API_ID}-0-1a2b3c4d", "xfer"),
+        (f"1_{API_ID}-0-1a2b3c4d", "xfer~1.0"),
+        (f"{API_ID}-2-1a2b3c4d", "xfer~0.2"),
+        (f"3_{API_ID}-2-deadbeef", "xfer~3.2"),
+        # Chat: no prompt index; a random suffix of digits only.
+        ("chatcmpl-abc-12345678", "xfer"),
+        ("2_chatcmpl-abc-12345678", "xfer~2.0"),
+        # Decode's rejection notice: the API id itself, no random suffix.
+        (API_ID, "xfer"),
+        ("cmpl-7", "xfer"),
+    ],
+)
+def test_each_engine_request_gets_its_own_transfer_id(
+    request_id: str, own: str
+) -> None:
+    assert reliability.sibling_transfer_id("xfer", request_id) == own
+
+
+def test_without_random_suffixes_the_indexes_are_read_at_the_end() -> None:
+    derive = reliability.sibling_transfer_id
+    assert derive("xfer", f"2_{API_ID}-1", randomized=False) == "xfer~2.1"
+    assert derive("xfer", f"{API_ID}-0", randomized=False) == "xfer"
+
+
+def test_prefill_and_decode_derive_the_same_ids_and_siblings_differ() -> None:
+    """The two legs' engine ids differ only in vLLM's random suffix."""
+    siblings = [(k, j) for k in range(3) for j in range(2)]
+
+    def ids(suffix: str) -> list[str]:
+        return [
+            reliability.sibling_transfer_id("xfer", f"{k}_{API_ID}-{j}-{suffix}")
+            for k, j in siblings
+        ]
+
+    prefill, decode = ids("0badcafe"), ids("f00dbabe")
+    assert prefill == decode
+    assert len(set(prefill)) == len(siblings)
+
+
+def engine_request(request_id: str, transfer_id: str) -> SimpleNamespace:
+    return prefill_request(request_id, transfer_id)
+
+
+def test_n_children_and_batch_prompts_each_own_a_send() -> None:
+    """n=2 over a batch of 2 prompts: four engine requests, one API transfer
+    id. Each keeps its blocks for a send of its own; the guard refuses none."""
+    connector = prefill_connector(guarded=True)
+    requests = [
+        engine_request(f"{k}_{API_ID}-{j}-0badcafe", "xfer-1")
+        for k in range(2)
+        for j in range(2)
+    ]
+    for request in requests:
+        connector.on_new_request(request)
+    held, pending = serve(connector, requests)
+    print(f"siblings: blocks kept {held}, pending sends {sorted(pending)}")
+    assert held == dict.fromkeys(held, True)
+    assert stranded(held, pending) == []
+    assert sorted(pending) == ["xfer-1", "xfer-1~0.1", "xfer-1~1.0", "xfer-1~1.1"]
+    guard = connector.transfer_guard
+    assert guard is not None and guard.refused_total == 0
+
+
+def test_negative_control_shared_ids_leave_one_send_for_four_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same four engine requests with the derivation off (upstream's
+    behaviour): one pending send, so decode's four pulls share one prompt's
+    KV (wrong tokens for the other prompt) and three find it gone."""
+    monkeypatch.setattr(reliability, "sibling_transfer_id", lambda t, r, **_: t)
+    connector = prefill_connector(guarded=True)
+    requests = [
+        engine_request(f"{k}_{API_ID}-{j}-0badcafe", "xfer-1")
+        for k in range(2)
+        for j in range(2)
+    ]
+    _, pending = serve(connector, requests)
+    assert sorted(pending) == ["xfer-1"]
+
+
+def test_the_derivation_happens_once_and_keeps_the_api_id() -> None:
+    connector = prefill_connector(guarded=False)
+    request = engine_request(f"1_{API_ID}-0-0badcafe", "xfer-1")
+    shared = request.kv_transfer_params
+    connector.on_new_request(request)
+    connector.on_new_request(request)
+    assert request.kv_transfer_params["transfer_id"] == "xfer-1~1.0"
+    assert request.kv_transfer_params[connector_module.SIBLING_BASE] == "xfer-1"
+    # A sibling holding the same dict is not changed under it.
+    assert shared["transfer_id"] == "xfer-1"
+
+
+def pending_send(p_req_id: str, sending: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(p_req_id=p_req_id, sending=sending)
+
+
+def test_a_rejection_notice_releases_the_siblings_sends() -> None:
+    """Decode refused an n > 1 or batch request before its engine saw it: the
+    notice names the API request and carries no blocks."""
+    pending = {
+        "xfer-1": pending_send("p0"),
+        "xfer-1~1.0": pending_send("p1"),
+        "xfer-1~0.1": pending_send("p2"),
+        "xfer-1~1.1": pending_send("p3", sending=1),  # being sent: left alone
+        "xfer-10~1.0": pending_send("other"),
+        "xfer-2~1.0": pending_send("other"),
+    }
+    released = reliability.api_release({API_ID: ("xfer-1", [[], []])}, pending)
+    assert sorted(released) == ["xfer-1~0.1", "xfer-1~1.0"]
+
+
+@pytest.mark.parametrize(
+    "req_blocks",
+    [
+        # An engine request's own release (aborted before it was scheduled).
+        {f"{API_ID}-0-0badcafe": ("xfer-1", [[], []])},
+        # A real pull.
+        {API_ID: ("xfer-1", [[3], [4]])},
+    ],
+    ids=["engine-request release", "pull with blocks"],
+)
+def test_other_pulls_release_no_siblings(req_blocks: dict) -> None:
+    pending = {"xfer-1~1.0": pending_send("p1")}
+    assert reliability.api_release(req_blocks, pending) == []
 
 
 def test_stray_not_processed_ids_do_not_stop_the_batch() -> None:

@@ -41,6 +41,17 @@ logger = logging.getLogger("vllm.pd_mooncake")
 LISTENER_READY_TIMEOUT_S = 120.0
 # Decode: seconds between probes of a pending pull's prefill (reliability).
 LIVENESS_INTERVAL_S = 2.0
+# kv_transfer_params key: the API request's transfer id, once a request has
+# its own (reliability.sibling_transfer_id).
+SIBLING_BASE = "pd_api_transfer_id"
+
+
+def _request_ids_randomized() -> bool:
+    """vLLM appends a random suffix to engine request ids unless told not to
+    (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION; read once per process)."""
+    from vllm import envs
+
+    return not getattr(envs, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", False)
 
 
 @contextlib.contextmanager
@@ -80,6 +91,7 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         offset = extra.get("side_channel_port_offset")
         if offset and not self.is_kv_consumer:
             self._use_fixed_side_channel(vllm_config, offset)
+        self.randomized_ids = _request_ids_randomized()
         # Decode: probe a pending pull's prefill this often (0: never).
         self.liveness_interval_s = float(
             extra.get("prefill_liveness_interval_s", LIVENESS_INTERVAL_S)
@@ -284,6 +296,15 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         with sending_descriptors(src_ptrs, lengths):
             return super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
 
+    async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any) -> None:
+        # A rejection notice names the API request: free its siblings too,
+        # as upstream frees a send that is done.
+        for key in reliability.api_release(
+            meta.req_blocks, self.reqs_need_send, randomized=self.randomized_ids
+        ):
+            self.finished_sending_reqs.add(self.reqs_need_send.pop(key).p_req_id)
+        await super().send_kv_to_decode(identity, sock, meta)
+
     async def record_send_reqs(self, metadata: Any) -> None:
         # Upstream pops "not processed" ids without a default (see reliability).
         if metadata.reqs_not_processed:
@@ -350,6 +371,7 @@ class PDMooncakeConnector(upstream.MooncakeConnector):
         with _upstream_builds(PDMooncakeConnectorWorker):
             super().__init__(vllm_config, role, *args, **kwargs)
         scheduler = self.connector_scheduler
+        self.randomized_ids = _request_ids_randomized()
         # Prefill's scheduler: one live request per transfer id (reliability).
         self.transfer_guard = (
             reliability.TransferIdGuard()
@@ -357,10 +379,30 @@ class PDMooncakeConnector(upstream.MooncakeConnector):
             else None
         )
 
-    # -- scheduler side: the transfer id guard --------------------------------
+    # -- scheduler side: sibling transfer ids, the transfer id guard ------------
+    def _own_transfer_id(self, request: Any) -> None:
+        """Give an n > 1 child or a batch's prompt its own transfer id
+        (reliability.sibling_transfer_id), once, before upstream reads it."""
+        params = request.kv_transfer_params
+        if not params or not params.get("transfer_id") or SIBLING_BASE in params:
+            return
+        base = params["transfer_id"]
+        own = reliability.sibling_transfer_id(
+            base, request.request_id, randomized=self.randomized_ids
+        )
+        # A new dict: siblings may share the old one.
+        request.kv_transfer_params = {**params, SIBLING_BASE: base, "transfer_id": own}
+
+    def on_new_request(self, request: Any) -> None:
+        self._own_transfer_id(request)
+        parent = getattr(super(), "on_new_request", None)
+        if parent is not None:
+            parent(request)
+
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
+        self._own_transfer_id(request)
         guard = self.transfer_guard
         if guard is not None and not guard.admit(
             request.request_id, request.kv_transfer_params
@@ -391,6 +433,7 @@ class PDMooncakeConnector(upstream.MooncakeConnector):
     def _finished(
         self, request: Any, upstream_finished: Any
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._own_transfer_id(request)
         guard = self.transfer_guard
         if guard is not None and guard.refuses(
             request.request_id, request.kv_transfer_params

@@ -3,17 +3,27 @@
 Each piece is small, pure where it can be, and hooked into ``connector.py``
 in one place:
 
+- ``sibling_transfer_id`` (both schedulers): one transfer id per engine
+  request. vllm-router gives one API request one ``transfer_id``, and vLLM
+  turns an API request into several engine requests sharing it: the ``n``
+  children of ``n > 1``, and one request per prompt of a batch completion.
+  Upstream then pairs decode's requests with whichever prefill request
+  registered the id last: a batch's second prompt was decoded from the first
+  prompt's KV (wrong tokens, every metric saying success), and ``n`` children
+  hung or failed once the shared send was done. Both legs derive the same
+  per-request id from what vLLM itself adds to the API request's id (child
+  index, prompt index), so each decode request pulls its own prefill twin.
+- ``api_release`` (prefill worker): decode's rejection notice (a request
+  refused before it reached decode's engine) names the API request, not its
+  engine requests; it now also releases the siblings' sends.
 - ``TransferIdGuard`` (prefill scheduler): one live request per transfer id.
   Upstream keys a prefill's pending send by transfer id alone, so a second
   request with the same id overwrites the first one's entry, and the first
   one's blocks are never reported as sent: they stay allocated for the life
-  of the process (and the engine busy-loops on them). It happens with any
-  ``n > 1`` request through vllm-router (the ``n`` children share the
-  request's ``kv_transfer_params``), and with any client that can reach the
-  prefill directly and reuse an id. The guard lets the first request own the
-  id; the others are served, and their blocks freed when they finish, with
-  no send registered. Decode's ``n`` children pull the owner's copy of the
-  (identical) prompt KV.
+  of the process (and the engine busy-loops on them). With sibling ids this
+  takes a client that reaches the prefill directly and reuses an id. The
+  guard lets the first request own the id; the others are served, and their
+  blocks freed when they finish, with no send registered.
 - ``known_not_processed`` (prefill worker): upstream pops every "not
   processed" transfer id without a default; an id that was never registered
   (a request aborted while still queued) raises ``KeyError`` in the sender
@@ -36,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -44,6 +55,71 @@ import zmq
 import zmq.asyncio
 
 logger = logging.getLogger("vllm.pd_mooncake")
+
+
+# Engine request ids (vllm/v1/engine): "[<child>_]<api id>[-<prompt>]-<8 hex>".
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+_CHILD_INDEX = re.compile(r"^(\d+)_")
+_PROMPT_INDEX = re.compile(r"-(\d+)$")
+# Joins an API request's transfer id and a sibling's indexes.
+SIBLING_SEP = "~"
+
+
+def _engine_request_part(request_id: str, randomized: bool) -> str | None:
+    """The id without vLLM's random suffix; None for an id without one (an
+    API-level id, such as decode's rejection notice)."""
+    if not randomized:
+        return request_id
+    suffix = _RANDOM_SUFFIX.search(request_id)
+    return request_id[: suffix.start()] if suffix else None
+
+
+def sibling_transfer_id(
+    transfer_id: str, request_id: str, *, randomized: bool = True
+) -> str:
+    """This engine request's own transfer id, equal on prefill and decode.
+
+    ``randomized``: vLLM appends 8 random hex digits to every engine request
+    id (unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION). The first child of the
+    first prompt keeps the API request's id, so single requests and decode's
+    rejection notice are unchanged.
+    """
+    rest = _engine_request_part(request_id, randomized)
+    if rest is None:
+        return transfer_id
+    child = _CHILD_INDEX.match(rest)
+    prompt = _PROMPT_INDEX.search(rest[child.end() if child else 0 :])
+    k = int(child.group(1)) if child else 0
+    j = int(prompt.group(1)) if prompt else 0
+    if k == 0 and j == 0:
+        return transfer_id
+    return f"{transfer_id}{SIBLING_SEP}{k}.{j}"
+
+
+def api_release(
+    req_blocks: Mapping[str, tuple[str, Any]],
+    pending: Mapping[str, Any],
+    *,
+    randomized: bool = True,
+) -> list[str]:
+    """Prefill worker: the siblings' pending sends that a release pull for the
+    whole API request frees (decode's rejection notice: an API-level request
+    id, no blocks). Sends in progress are left to finish."""
+    released = []
+    for d_req_id, (transfer_id, block_ids) in req_blocks.items():
+        if any(block_ids) or (
+            randomized and _engine_request_part(d_req_id, randomized) is not None
+        ):
+            continue
+        prefix = f"{transfer_id}{SIBLING_SEP}"
+        released += [
+            key
+            for key, send in pending.items()
+            if key.startswith(prefix) and send.p_req_id and not send.sending
+        ]
+    if released:
+        logger.info("PD Mooncake: rejected by decode, releasing %s", released)
+    return released
 
 
 class TransferIdGuard:

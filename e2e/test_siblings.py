@@ -1,0 +1,95 @@
+"""One API request, several engine requests: a batch of prompts, n > 1.
+
+vllm-router gives the API request one transfer id and vLLM splits it into an
+engine request per prompt and per child, all carrying that id. Without the
+plugin's per-request ids (pd_mooncake.reliability.sibling_transfer_id), a
+batch's second prompt was decoded from the first prompt's KV: wrong tokens,
+every metric saying success (measured on this twin before the fix). Here each
+prompt's output must equal its own colocated reference, and decode must have
+loaded every engine request's prompt from prefill.
+"""
+
+from __future__ import annotations
+
+from conftest import Stack
+from pdstack import client, kv_layout
+from pdstack import metrics as m
+
+MAX_TOKENS = 12
+
+
+def pulled(stack: Stack, before: dict[str, m.Snapshot], tokens: int) -> tuple:
+    """(decode, prefill) deltas once decode has counted ``tokens`` loaded."""
+    decode = m.settle(
+        stack.decode,
+        before["decode"],
+        lambda d: d.total(m.PROMPT_TOKENS_BY_SOURCE) >= tokens,
+    )
+    prefill = m.settle(
+        stack.prefill,
+        before["prefill"],
+        lambda d: d.total(m.BYTES) >= kv_layout.transfer_bytes(tokens),
+    )
+    return decode, prefill
+
+
+def scrape(stack: Stack) -> dict[str, m.Snapshot]:
+    return {"decode": m.scrape(stack.decode), "prefill": m.scrape(stack.prefill)}
+
+
+def test_each_prompt_of_a_batch_is_decoded_from_its_own_kv(stack: Stack) -> None:
+    # Distinct lengths (distinct KV sizes), and one prompt twice.
+    a, b, c = (stack.prompt(n, salt=4100 + n) for n in (21, 48, 70))
+    batch = [a, b, a, c]
+    expected = [
+        client.complete(stack.reference, p, MAX_TOKENS).token_ids for p in batch
+    ]
+    assert len({tuple(e) for e in expected}) == 3, "prompts must differ in output"
+    before = scrape(stack)
+    got = [c.token_ids for c in client.complete_all(stack.router, batch, MAX_TOKENS)]
+    tokens = sum(kv_layout.tokens_loaded(len(p)) for p in batch)
+    decode, prefill = pulled(stack, before, tokens)
+    sources = decode.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
+    wrong = [i for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e]
+    print(
+        f"batch of {len(batch)}: wrong {wrong}; decode sources {sources}; prefill "
+        f"{prefill.total(m.TRANSFERS):.0f} transfer(s), {prefill.total(m.BYTES):.0f} "
+        f"bytes"
+    )
+    assert wrong == []
+    assert sources.get("external_kv_transfer", 0) == tokens
+    assert sources.get("local_compute", 0) == sum(len(p) for p in batch) - tokens
+    # Every engine request's own blocks, not one prompt's KV four times.
+    assert prefill.total(m.BYTES) == sum(
+        kv_layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in batch
+    )
+    assert prefill.total(m.FAILED_TRANSFERS) == 0
+    assert prefill.total(m.EXPIRED) == 0
+
+
+def test_n_children_each_pull_their_own_copy(stack: Stack) -> None:
+    """n=3 over a batch of 2 prompts: six engine requests per leg. Sampled
+    output has no reference; the evidence is that all six arrive, each
+    loaded its prompt from prefill, and nothing failed or expired."""
+    prompts = [stack.prompt(n, salt=4200 + n) for n in (30, 45)]
+    before = scrape(stack)
+    got = client.complete_all(
+        stack.router, prompts, MAX_TOKENS, n=3, temperature=1.0, seed=11
+    )
+    tokens = 3 * sum(kv_layout.tokens_loaded(len(p)) for p in prompts)
+    decode, prefill = pulled(stack, before, tokens)
+    sources = decode.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
+    print(
+        f"n=3 x 2 prompts: {len(got)} choices; decode sources {sources}; prefill "
+        f"{prefill.total(m.BYTES):.0f} bytes, expired {prefill.total(m.EXPIRED):.0f}"
+    )
+    assert len(got) == 6
+    assert all(len(c.token_ids) == MAX_TOKENS for c in got)
+    assert sources.get("external_kv_transfer", 0) == tokens
+    assert sources.get("local_compute", 0) == 3 * sum(map(len, prompts)) - tokens
+    assert prefill.total(m.BYTES) == 3 * sum(
+        kv_layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in prompts
+    )
+    assert prefill.total(m.FAILED_TRANSFERS) == 0
+    assert prefill.total(m.EXPIRED) == 0
+    assert decode.total(m.FAILED_RECVS) == 0
