@@ -541,3 +541,58 @@ def test_liveness_interval_is_validated() -> None:
     for bad in (-1, True, "2"):
         with pytest.raises(extra_config.ExtraConfigError, match="liveness"):
             extra_config.validate({"prefill_liveness_interval_s": bad})
+
+
+# --- a failed send is sent again -----------------------------------------------------
+
+
+class ScriptedEngine:
+    """Stands in for the TransferEngine: a Mooncake TCP stall (a batch failed
+    after MC_TRANSFER_TIMEOUT, kvcache-ai/Mooncake#4209) cannot be produced
+    on demand between two real engines."""
+
+    def __init__(self, results: list[int]) -> None:
+        self.results = list(results)
+        self.calls = 0
+
+    def batch_transfer_sync_write(self, *args: Any) -> int:
+        self.calls += 1
+        return self.results.pop(0)
+
+
+def sending_worker(results: list[int]) -> PDMooncakeConnectorWorker:
+    from pd_mooncake.metrics import PDMooncakeStats
+
+    worker = object.__new__(PDMooncakeConnectorWorker)
+    worker.engine = ScriptedEngine(results)
+    worker.xfer_stats = PDMooncakeStats()
+    return worker
+
+
+def send(worker: Any, sender: Any) -> int:
+    return sender(worker, "127.0.0.1:1", [4096, 8192], [0, 4096], [4096, 4096])
+
+
+def test_a_failed_send_is_sent_once_more() -> None:
+    worker = sending_worker([-1, 0])
+    assert send(worker, PDMooncakeConnectorWorker._send_blocks) == 0
+    assert worker.engine.calls == 2
+    data = worker.xfer_stats.data
+    assert len(data["transfer_duration"]) == 1
+    # Failed counts transfers that stay failed; this one was sent again.
+    assert data["num_failed_transfers"] == []
+    assert data["num_retried_transfers"] == [1]
+
+
+def test_negative_control_upstream_fails_the_send() -> None:
+    worker = sending_worker([-1, 0])
+    assert send(worker, upstream.MooncakeConnectorWorker._send_blocks) == -1
+    assert worker.engine.calls == 1
+
+
+def test_retries_are_bounded() -> None:
+    worker = sending_worker([-1] * 5)
+    assert send(worker, PDMooncakeConnectorWorker._send_blocks) == -1
+    assert worker.engine.calls == 2
+    data = worker.xfer_stats.data
+    assert (data["num_failed_transfers"], data["num_retried_transfers"]) == ([1], [1])

@@ -39,6 +39,8 @@ logger = logging.getLogger("vllm.pd_mooncake")
 
 # How long the producer waits for its ZMQ listener before failing start-up.
 LISTENER_READY_TIMEOUT_S = 120.0
+# Prefill: sends of a failed transfer again, at once (see _send_blocks).
+SEND_RETRIES = 1
 # Decode: seconds between probes of a pending pull's prefill (reliability).
 LIVENESS_INTERVAL_S = 2.0
 # kv_transfer_params key: the API request's transfer id, once a request has
@@ -294,7 +296,26 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
     ) -> int:
         # Lets the stats attribute these bytes to regions (see metrics).
         with sending_descriptors(src_ptrs, lengths):
-            return super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
+            ret = super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
+            for attempt in range(1, SEND_RETRIES + 1):
+                if ret == 0:
+                    break
+                # Mooncake's TCP transport can stall a batch on a stale
+                # connection until MC_TRANSFER_TIMEOUT, then fail it
+                # (kvcache-ai/Mooncake#4209; seen here once in a few suite
+                # runs). Decode's blocks wait for this answer, the bytes are
+                # the same: sending again is safe, and the next one gets
+                # through.
+                logger.warning(
+                    "PD Mooncake: send to %s failed (ret=%s); retry %d of %d",
+                    remote_session,
+                    ret,
+                    attempt,
+                    SEND_RETRIES,
+                )
+                self.xfer_stats.record_retry()
+                ret = super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
+            return ret
 
     async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any) -> None:
         # A rejection notice names the API request: free its siblings too,

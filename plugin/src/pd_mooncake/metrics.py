@@ -29,9 +29,15 @@ COUNTERS = (
     ("bytes_transferred", "bytes_transferred", "Bytes moved by Mooncake KV transfers."),
     ("descriptors", "num_descriptors", "Descriptors in Mooncake KV transfers."),
     ("failed_transfers", "num_failed_transfers", "Failed Mooncake KV transfers."),
+    (
+        "retried_transfers",
+        "num_retried_transfers",
+        "Mooncake KV transfers that failed and were sent again.",
+    ),
     ("failed_recvs", "num_failed_recvs", "Failed Mooncake KV receives (decode)."),
     ("expired_requests", "num_kv_expired_reqs", "Requests whose KV expired unsent."),
 )
+RETRIED = dict((suffix, key) for suffix, key, _ in COUNTERS)["retried_transfers"]
 TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BYTES_BUCKETS = tuple(float(2**p) for p in range(12, 36, 2))
 
@@ -95,6 +101,18 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
     def reset(self) -> None:
         super().reset()
         self.data[REGION_BYTES] = []
+        self.data[RETRIED] = []
+
+    def is_empty(self) -> bool:
+        return super().is_empty() and not self.data.get(RETRIED)
+
+    def record_retry(self) -> None:
+        """The transfer upstream just counted as failed is being sent again:
+        count it as retried; failed counts only transfers that stay failed."""
+        with self._lock:
+            if self.data["num_failed_transfers"]:
+                self.data["num_failed_transfers"].pop()
+            self.data[RETRIED].append(1)
 
     def record_transfer(self, duration_s: float, total_bytes: int, num_descs: int):
         src = getattr(_sending, "descriptors", None)
