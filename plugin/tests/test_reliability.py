@@ -543,24 +543,35 @@ def test_liveness_interval_is_validated() -> None:
             extra_config.validate({"prefill_liveness_interval_s": bad})
 
 
-# --- a failed send is sent again -----------------------------------------------------
+# --- a stalled send is sent again ---------------------------------------------------
+
+STALL_S = 0.05  # this test's Mooncake transfer timeout
 
 
 class ScriptedEngine:
     """Stands in for the TransferEngine: a Mooncake TCP stall (a batch failed
-    after MC_TRANSFER_TIMEOUT, kvcache-ai/Mooncake#4209) cannot be produced
-    on demand between two real engines."""
+    at MC_TRANSFER_TIMEOUT while the peer stopped answering, seen in CI;
+    kvcache-ai/Mooncake#4209 family) cannot be produced on demand between
+    two real engines. Each result is (status, seconds it takes)."""
 
-    def __init__(self, results: list[int]) -> None:
+    def __init__(self, results: list[tuple[int, float]]) -> None:
         self.results = list(results)
         self.calls = 0
 
     def batch_transfer_sync_write(self, *args: Any) -> int:
         self.calls += 1
-        return self.results.pop(0)
+        status, seconds = self.results.pop(0) if self.results else (-1, STALL_S)
+        time.sleep(seconds)
+        return status
 
 
-def sending_worker(results: list[int]) -> PDMooncakeConnectorWorker:
+@pytest.fixture
+def short_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
+    monkeypatch.setattr(connector_module, "MOONCAKE_TRANSFER_TIMEOUT_S", STALL_S)
+
+
+def sending_worker(results: list[tuple[int, float]]) -> PDMooncakeConnectorWorker:
     from pd_mooncake.metrics import PDMooncakeStats
 
     worker = object.__new__(PDMooncakeConnectorWorker)
@@ -573,26 +584,42 @@ def send(worker: Any, sender: Any) -> int:
     return sender(worker, "127.0.0.1:1", [4096, 8192], [0, 4096], [4096, 4096])
 
 
-def test_a_failed_send_is_sent_once_more() -> None:
-    worker = sending_worker([-1, 0])
+@pytest.mark.usefixtures("short_stalls")
+def test_a_stalled_send_is_sent_again_until_it_goes_through() -> None:
+    worker = sending_worker([(-1, STALL_S), (-1, STALL_S), (0, 0.0)])
     assert send(worker, PDMooncakeConnectorWorker._send_blocks) == 0
-    assert worker.engine.calls == 2
+    assert worker.engine.calls == 3
     data = worker.xfer_stats.data
     assert len(data["transfer_duration"]) == 1
-    # Failed counts transfers that stay failed; this one was sent again.
+    # Failed counts transfers that stay failed; these were sent again.
     assert data["num_failed_transfers"] == []
-    assert data["num_retried_transfers"] == [1]
+    assert data["num_retried_transfers"] == [1, 1]
 
 
-def test_negative_control_upstream_fails_the_send() -> None:
-    worker = sending_worker([-1, 0])
+@pytest.mark.usefixtures("short_stalls")
+def test_negative_control_upstream_fails_the_stalled_send() -> None:
+    worker = sending_worker([(-1, STALL_S), (0, 0.0)])
     assert send(worker, upstream.MooncakeConnectorWorker._send_blocks) == -1
     assert worker.engine.calls == 1
 
 
-def test_retries_are_bounded() -> None:
-    worker = sending_worker([-1] * 5)
+@pytest.mark.usefixtures("short_stalls")
+def test_a_fast_failure_is_not_retried() -> None:
+    """A peer that is gone refuses at once: not a stall, no retry."""
+    worker = sending_worker([(-1, 0.0), (0, 0.0)])
     assert send(worker, PDMooncakeConnectorWorker._send_blocks) == -1
-    assert worker.engine.calls == 2
+    assert worker.engine.calls == 1
+    assert worker.xfer_stats.data["num_failed_transfers"] == [1]
+
+
+@pytest.mark.usefixtures("short_stalls")
+def test_retries_end_with_their_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(connector_module, "SEND_RETRY_BUDGET_S", 4 * STALL_S)
+    worker = sending_worker([])  # stalls for ever
+    start = time.monotonic()
+    assert send(worker, PDMooncakeConnectorWorker._send_blocks) == -1
+    assert time.monotonic() - start < 10 * STALL_S
     data = worker.xfer_stats.data
-    assert (data["num_failed_transfers"], data["num_retried_transfers"]) == ([1], [1])
+    assert 2 <= worker.engine.calls <= 6
+    assert len(data["num_failed_transfers"]) == 1
+    assert len(data["num_retried_transfers"]) == worker.engine.calls - 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -39,13 +40,25 @@ logger = logging.getLogger("vllm.pd_mooncake")
 
 # How long the producer waits for its ZMQ listener before failing start-up.
 LISTENER_READY_TIMEOUT_S = 120.0
-# Prefill: sends of a failed transfer again, at once (see _send_blocks).
-SEND_RETRIES = 1
+# Prefill: a transfer that stalled until Mooncake's transfer timeout is sent
+# again until this many seconds have passed since its first attempt
+# (_send_blocks). Below decode's pull timeout (540 s) and prefill's abort
+# timeout (480 s) with upstream defaults.
+SEND_RETRY_BUDGET_S = 120.0
+# Mooncake's transfer timeout (MC_TRANSFER_TIMEOUT), its 0.3.x default.
+MOONCAKE_TRANSFER_TIMEOUT_S = 30.0
 # Decode: seconds between probes of a pending pull's prefill (reliability).
 LIVENESS_INTERVAL_S = 2.0
 # kv_transfer_params key: the API request's transfer id, once a request has
 # its own (reliability.sibling_transfer_id).
 SIBLING_BASE = "pd_api_transfer_id"
+
+
+def _stalled(seconds: float) -> bool:
+    """A failed transfer that lasted (nearly) Mooncake's whole timeout."""
+    limit = os.environ.get("MC_TRANSFER_TIMEOUT", "")
+    timeout = float(limit) if limit.isdigit() else MOONCAKE_TRANSFER_TIMEOUT_S
+    return seconds >= 0.9 * timeout
 
 
 def _request_ids_randomized() -> bool:
@@ -296,26 +309,28 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
     ) -> int:
         # Lets the stats attribute these bytes to regions (see metrics).
         with sending_descriptors(src_ptrs, lengths):
-            ret = super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
-            for attempt in range(1, SEND_RETRIES + 1):
-                if ret == 0:
-                    break
-                # Mooncake's TCP transport can stall a batch on a stale
-                # connection until MC_TRANSFER_TIMEOUT, then fail it
-                # (kvcache-ai/Mooncake#4209; seen here once in a few suite
-                # runs). Decode's blocks wait for this answer, the bytes are
-                # the same: sending again is safe, and the next one gets
-                # through.
+            first = time.monotonic()
+            while True:
+                began = time.monotonic()
+                ret = super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
+                if ret == 0 or not _stalled(time.monotonic() - began):
+                    return ret
+                if time.monotonic() - first >= SEND_RETRY_BUDGET_S:
+                    return ret
+                # Mooncake's TCP transport (0.3.13) can leave a peer
+                # unanswering for a minute while the transfer times out
+                # (MC_TRANSFER_TIMEOUT), then serve again (seen in CI here,
+                # kvcache-ai/Mooncake#4209 family). Decode's blocks wait for
+                # this answer and the bytes are the same: sending again is
+                # safe. A fast failure (peer gone, queue full) is not a stall
+                # and is not retried.
                 logger.warning(
-                    "PD Mooncake: send to %s failed (ret=%s); retry %d of %d",
+                    "PD Mooncake: send to %s stalled until Mooncake's transfer "
+                    "timeout (ret=%s); sending again",
                     remote_session,
                     ret,
-                    attempt,
-                    SEND_RETRIES,
                 )
                 self.xfer_stats.record_retry()
-                ret = super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
-            return ret
 
     async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any) -> None:
         # A rejection notice names the API request: free its siblings too,
