@@ -347,8 +347,9 @@ def test_first_token_ends_the_sequence(faults: FaultStack) -> None:
     assert {n: o.token_ids for n, o in got.items()} == expected
     assert reasons["stop on token 1"] == "stop"
     assert got["stop on token 1"].token_ids in ([], [first[0]])
-    # Bounded by the transfer, not by prefill's abort timeout.
-    assert slowest < 10
+    # Bounded by the transfer (a stalled one sent again included: 11 s seen
+    # in CI), not by prefill's abort timeout.
+    assert slowest < _abort_timeout(faults) / 2
     assert p.total(m.EXPIRED) == 0
     assert found == {}
 
