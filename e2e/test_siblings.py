@@ -12,6 +12,7 @@ loaded every engine request's prompt from prefill.
 from __future__ import annotations
 
 from conftest import Stack
+from faults_helpers import counters
 from pdstack import client, kv_layout
 from pdstack import metrics as m
 
@@ -33,10 +34,6 @@ def pulled(stack: Stack, before: dict[str, m.Snapshot], tokens: int) -> tuple:
     return decode, prefill
 
 
-def scrape(stack: Stack) -> dict[str, m.Snapshot]:
-    return {"decode": m.scrape(stack.decode), "prefill": m.scrape(stack.prefill)}
-
-
 def test_each_prompt_of_a_batch_is_decoded_from_its_own_kv(stack: Stack) -> None:
     # Distinct lengths (distinct KV sizes), and one prompt twice.
     a, b, c = (stack.prompt(n, salt=4100 + n) for n in (21, 48, 70))
@@ -45,7 +42,7 @@ def test_each_prompt_of_a_batch_is_decoded_from_its_own_kv(stack: Stack) -> None
         client.complete(stack.reference, p, MAX_TOKENS).token_ids for p in batch
     ]
     assert len({tuple(e) for e in expected}) == 3, "prompts must differ in output"
-    before = scrape(stack)
+    before = counters(stack)
     got = [c.token_ids for c in client.complete_all(stack.router, batch, MAX_TOKENS)]
     tokens = sum(kv_layout.tokens_loaded(len(p)) for p in batch)
     decode, prefill = pulled(stack, before, tokens)
@@ -72,7 +69,7 @@ def test_n_children_each_pull_their_own_copy(stack: Stack) -> None:
     output has no reference; the evidence is that all six arrive, each
     loaded its prompt from prefill, and nothing failed or expired."""
     prompts = [stack.prompt(n, salt=4200 + n) for n in (30, 45)]
-    before = scrape(stack)
+    before = counters(stack)
     got = client.complete_all(
         stack.router, prompts, MAX_TOKENS, n=3, temperature=1.0, seed=11
     )

@@ -438,6 +438,8 @@ class PDMooncakeConnector(upstream.MooncakeConnector):
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
+        # Again here and in _finished (a no-op once done): a scheduler
+        # without the on_new_request hook reaches upstream through these.
         self._own_transfer_id(request)
         guard = self.transfer_guard
         if guard is not None and not guard.admit(
