@@ -91,15 +91,25 @@ def target(name: str) -> dict[str, Any]:
 
 
 def vllm_flags(role: str, profile_name: str, target_name: str) -> dict[str, Any]:
-    """Merged flags: common < profile < role < target (later wins)."""
+    """Merged flags: common < profile < role < target < the profile's own
+    settings for that target (later wins)."""
     if role not in ROLES:
         raise ConfigError(f"unknown role {role!r}; known: {', '.join(ROLES)}")
+    chosen = profile(profile_name)
+    per_target = chosen.get("targets", {})
+    unknown = sorted(set(per_target) - set(TARGETS))
+    if unknown:
+        raise ConfigError(
+            f"profile {profile_name!r}: unknown target {unknown[0]!r} under "
+            f"'targets'; known: {', '.join(TARGETS)}"
+        )
     merged: dict[str, Any] = {}
     for layer in (
         _load(CONFIGS / "vllm" / "common.yaml"),
-        profile(profile_name).get("vllm", {}),
+        chosen.get("vllm", {}),
         _load(CONFIGS / "vllm" / f"{role}.yaml"),
         target(target_name).get("vllm", {}),
+        per_target.get(target_name) or {},
     ):
         merged.update(layer)
     return merged

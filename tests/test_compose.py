@@ -664,11 +664,13 @@ def test_dotenv_holds_no_secret_values() -> None:
 
 # --- the vLLM flags compose gives prefill and decode -----------------------------
 
-# configs/targets/cpu.yaml's `vllm:` keys: what the CPU twin changes for a CPU
-# (block size, eager mode, batch size, step token budget, KV cache size).
-# Nothing else may differ from a GPU host.
+# configs/targets/cpu.yaml's `vllm:` keys and a profile's own per-target
+# settings: what the CPU twin changes for a CPU (block size, eager mode, batch
+# size, step token budget, KV cache size, the tiny profile's dtype). Nothing
+# else may differ from a GPU host.
 DEVICE_DIFFERENCES = {
     "block-size",
+    "dtype",
     "enforce-eager",
     "max-num-seqs",
     "max-num-batched-tokens",
@@ -680,6 +682,9 @@ def test_documented_device_differences_are_the_target_files() -> None:
     targets = {
         key for name in config.TARGETS for key in config.target(name).get("vllm", {})
     }
+    for path in (config.CONFIGS / "profiles").glob("*.yaml"):
+        for settings in config.profile(path.stem).get("targets", {}).values():
+            targets |= set(settings or {})
     assert targets == DEVICE_DIFFERENCES
 
 

@@ -97,3 +97,20 @@ def test_cpu_token_budget_covers_the_longest_prompt() -> None:
     for name in cpu_profiles:
         max_len = int(config.profile(name)["vllm"]["max-model-len"])
         assert int(cpu["max-num-batched-tokens"]) >= max_len, name
+
+
+def test_tiny_profile_dtype_follows_the_target() -> None:
+    """float32 on the CPU twin; on GPUs a dtype CUDA MLA backends accept."""
+    assert config.vllm_flags("prefill", "tiny", "cpu")["dtype"] == "float32"
+    assert config.vllm_flags("decode", "tiny", "gpu")["dtype"] == "bfloat16"
+
+
+def test_a_profile_target_section_must_name_a_known_target(tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(config.CONFIGS, tmp_path / "configs")
+    bad = tmp_path / "configs" / "profiles" / "bad.yaml"
+    bad.write_text("vllm: {}\ntargets:\n  tpu:\n    dtype: float16\n")
+    monkeypatch.setattr(config, "CONFIGS", tmp_path / "configs")
+    with pytest.raises(config.ConfigError, match="unknown target 'tpu'"):
+        config.vllm_flags("prefill", "bad", "gpu")

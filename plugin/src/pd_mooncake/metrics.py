@@ -185,6 +185,25 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
             documentation="Bytes moved per registered KV region (layer, layout).",
             labelnames=[*labelnames, "region", "layout"],
         )
+        self._publish_kv_cache_info(vllm_config, labelnames, per_engine_labelvalues)
+
+    def _publish_kv_cache_info(self, vllm_config, labelnames, per_engine_labelvalues):
+        """What a client needs to predict a transfer's bytes and that vLLM's
+        ``cache_config_info`` lacks: the KV element type once "auto" is
+        resolved to the model's dtype, and the tensor-parallel width (every
+        rank sends its own copy of the MLA latent)."""
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        if cache_dtype == "auto":
+            cache_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        info = self._gauge_cls(
+            name="vllm:mooncake_kv_cache_info",
+            documentation="KV cache element type and tensor-parallel size.",
+            multiprocess_mode="mostrecent",
+            labelnames=[*labelnames, "kv_cache_dtype", "tensor_parallel_size"],
+        )
+        tp = str(vllm_config.parallel_config.tensor_parallel_size)
+        for labels in per_engine_labelvalues.values():
+            info.labels(*labels, cache_dtype, tp).set(1)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for key, per_engine in self.counters.items():
