@@ -7,18 +7,19 @@ a request waits for its transfer's whole duration: the level's bytes are split
 over its requests, its seconds over its transfers. Per level the bench keeps
 the delta of those counters and derives bytes per request, the time a request
 waits for its transfer, that time's share of TTFT, and the effective
-throughput. Bytes are checked
-against the model's KV layout (pdstack.kv_layout: whole 16-token blocks,
-311296 bytes per block for the tiny profile) from each request's prompt length.
+throughput. Bytes are checked against the KV layout of the stack measured
+(pdstack.kv_layout: whole blocks of the servers' own block size and KV type;
+311296 bytes per 16-token block on the CPU twin) from each request's prompt
+length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from pdstack import kv_layout
+from pdstack import config, kv_layout, tiny_model
 from pdstack import metrics as m
 
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
@@ -33,8 +34,30 @@ COUNTERS = {
     "expired": m.EXPIRED,
     "prompt_tokens": PROMPT_TOKENS,
 }
-# Profiles whose KV layout pdstack.kv_layout describes.
-LAYOUT_PROFILES = ("tiny",)
+
+
+def served_layout(prefill_url: str, profile: str) -> dict[str, Any] | None:
+    """The measured stack's KV layout, as JSON for the report: its block size
+    and KV type from prefill's /metrics, the shapes from the generated models.
+    None for a profile whose model configs are not on this host."""
+    if config.profile(profile).get("generate") != "tiny":
+        return None
+    models = tiny_model.ensure_models(progress=lambda _: None)
+    snapshot = m.scrape(prefill_url)
+    layout = kv_layout.served(
+        snapshot.labels_of(m.CACHE_CONFIG_INFO),
+        snapshot.labels_of(m.KV_CACHE_INFO),
+        kv_layout.read_config(models.target),
+        kv_layout.read_config(models.draft),
+    )
+    return asdict(layout)
+
+
+def layout_from_json(data: Mapping[str, Any] | None) -> kv_layout.KVLayout | None:
+    if not data:
+        return None
+    regions = tuple(kv_layout.Region(**r) for r in data["regions"])
+    return kv_layout.KVLayout(int(data["block_size"]), regions, str(data["kv_dtype"]))
 
 
 def scrape(url: str) -> m.Snapshot:
@@ -74,21 +97,23 @@ class LayoutCheck:
 
 
 def check_layout(
-    input_lens: Sequence[int], counters: Mapping[str, float], profile: str
+    input_lens: Sequence[int],
+    counters: Mapping[str, float],
+    layout: kv_layout.KVLayout | None,
 ) -> LayoutCheck | None:
     """Bytes moved against whole blocks of every request's prompt.
 
-    None where the profile's layout is not modelled (pdstack.kv_layout is the
-    tiny profile's). A mismatch names its likely cause.
+    None where the stack's layout is not known (served_layout). A mismatch
+    names its likely cause.
     """
-    if profile not in LAYOUT_PROFILES:
+    if layout is None:
         return None
     expected = sum(
-        kv_layout.transfer_bytes(kv_layout.tokens_loaded(n)) for n in input_lens
+        layout.transfer_bytes(kv_layout.tokens_loaded(n)) for n in input_lens
     )
     measured = int(counters.get("bytes", 0))
     transfers = int(counters.get("transfers", 0))
-    per_block = kv_layout.transfer_bytes(kv_layout.BLOCK_SIZE)
+    per_block = layout.bytes_per_block()
     problems = []
     # Several requests may share a transfer; none may need two.
     if not 1 <= transfers <= len(input_lens):
@@ -114,7 +139,7 @@ def check_layout(
         if problems
         else (
             f"{len(input_lens)} requests in {transfers} transfers, {measured} bytes "
-            f"= whole 16-token blocks x {per_block} B"
+            f"= whole {layout.block_size}-token blocks x {per_block} B"
         )
     )
     return LayoutCheck(not problems, expected, measured, detail)

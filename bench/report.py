@@ -22,6 +22,7 @@ from typing import Any
 from bench import kv_transfer
 from bench import transfer_engine as te
 from bench.settings import human_bytes
+from pdstack import kv_layout
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -153,10 +154,12 @@ class Pair:
             self.kv_counters, len(self.pd.input_lens), self.pd.mean_ttft_ms
         )
 
-    def layout(self, profile: str) -> kv_transfer.LayoutCheck | None:
+    def layout(
+        self, model: kv_layout.KVLayout | None
+    ) -> kv_transfer.LayoutCheck | None:
         if self.kv_counters is None or self.pd is None:
             return None
-        return kv_transfer.check_layout(self.pd.input_lens, self.kv_counters, profile)
+        return kv_transfer.check_layout(self.pd.input_lens, self.kv_counters, model)
 
 
 def pair_levels(levels: Sequence[LevelResult], raw: Path | None = None) -> list[Pair]:
@@ -367,7 +370,7 @@ def comparison_table(pairs: Sequence[Pair]) -> list[str]:
     return lines
 
 
-def kv_table(pairs: Sequence[Pair], profile: str) -> list[str]:
+def kv_table(pairs: Sequence[Pair], model: kv_layout.KVLayout | None) -> list[str]:
     head = [
         "prompt", "conc.", "requests / transfers", "bytes/request",
         "descriptors/transfer", "ms per transfer", "share of mean TTFT",
@@ -378,7 +381,7 @@ def kv_table(pairs: Sequence[Pair], profile: str) -> list[str]:
         cost = pair.kv_cost()
         if cost is None:
             continue
-        check = pair.layout(profile)
+        check = pair.layout(model)
         verdict = (
             "n/a (no layout model)"
             if check is None
@@ -445,10 +448,11 @@ def build(run_dir: Path) -> dict[str, Any]:
     memory = _read(run_dir / "memory.json")
     startup = _read(run_dir / "startup.json") or {}
     checks = targets(pairs, overhead, comparisons, memory)
+    model = kv_transfer.layout_from_json(_read(run_dir / "kv_layout.json"))
     layout = [
-        (p.input_len, p.concurrency, p.layout(profile))
+        (p.input_len, p.concurrency, p.layout(model))
         for p in pairs
-        if p.layout(profile) is not None
+        if p.layout(model) is not None
     ]
     summary = {
         "meta": meta,
@@ -487,6 +491,7 @@ def build(run_dir: Path) -> dict[str, Any]:
             memory,
             profile,
             plotted,
+            model,
         )
     )
     return summary
@@ -503,6 +508,7 @@ def markdown(
     memory: Mapping[str, Any] | None,
     profile: str,
     plotted: bool,
+    model: kv_layout.KVLayout | None = None,
 ) -> str:
     out = [f"# P/D vs colocated: bench run {meta.get('started', '')}", ""]
     if meta.get("stack"):
@@ -567,7 +573,7 @@ def markdown(
         "",
         "## KV transfer (prefill's Mooncake metrics, per P/D level)",
         "",
-        *kv_table(pairs, profile),
+        *kv_table(pairs, model),
     ]
     if comparisons:
         out += [

@@ -31,7 +31,7 @@ from typing import Any
 
 import psutil
 
-from bench import memory, report, router_overhead, stack
+from bench import kv_transfer, memory, report, router_overhead, stack
 from bench.settings import Settings, Urls
 from bench.vllm_bench import Level, Plan
 from pdstack import config
@@ -298,6 +298,10 @@ def run(s: Settings) -> Path:
 
 
 def _measure(s: Settings, urls: Urls, out: Path, raw: Path, progress: Clock) -> None:
+    # What a transfer of this stack should move (its block size and KV type),
+    # for the report's layout check.
+    layout = kv_transfer.served_layout(urls.prefill, s.profile)
+    (out / "kv_layout.json").write_text(json.dumps(layout, indent=1))
     overhead_step(s, urls, s.run_dir, out, progress)
     plan = sweep_plan(s, urls, urls.prefill, raw, _tokenizer(s))
     sweep_step(plan, out, progress)

@@ -8,6 +8,12 @@ Options fall back to E2E_ROUTER_URL, E2E_PREFILL_URL, E2E_DECODE_URL and
 E2E_REFERENCE_URL. The colocated reference defaults to the prefill server:
 a request sent to it without transfer parameters is served whole by one
 engine, with the same model, draft and flags, and no P/D.
+
+What the suite expects is read from the stack under test: the block size and
+KV element type from each server's /metrics, the shapes from the models'
+config.json (the tiny pair generated here, or --target-config and
+--draft-config). Answers are judged by pdstack.oracle: exact on the twin,
+up to the first near-tie elsewhere (--near-tie-epsilon, 0 for exact).
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from pdstack import client, tiny_model, twin, wait
+from pdstack import client, kv_layout, oracle, tiny_model, twin, wait
+from pdstack import metrics as m
 
 E2E_RUN_DIR = Path(__file__).resolve().parent.parent / "run" / "e2e"
 # The plugin's test-only fault switch on the twin's decode: on while it exists.
@@ -42,6 +49,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             default=os.environ.get(f"E2E_{name.upper()}_URL"),
             help=f"{name} base URL (env E2E_{name.upper()}_URL)",
         )
+    for name, what in (
+        ("target-config", "the served target model's config.json"),
+        ("draft-config", "the Eagle draft's config.json"),
+    ):
+        env = f"E2E_{name.upper().replace('-', '_')}"
+        group.addoption(
+            f"--{name}",
+            default=os.environ.get(env),
+            help=f"{what} (env {env}; default: the generated tiny pair)",
+        )
+    group.addoption(
+        "--near-tie-epsilon",
+        type=float,
+        default=_float_env("E2E_NEAR_TIE_EPSILON"),
+        help=(
+            "compare answers up to the reference's first top-1/top-2 margin "
+            "below this many nats (env E2E_NEAR_TIE_EPSILON; default 0, exact, "
+            f"on the twin and {oracle.GPU_EPSILON} on a stack given by URLs; "
+            "0 for a stack with VLLM_BATCH_INVARIANT=1)"
+        ),
+    )
+    group.addoption(
+        "--fault-file",
+        default=os.environ.get("E2E_FAULT_FILE"),
+        help=(
+            "this host's path of the file decode reads as PD_MOONCAKE_FAULT_FILE "
+            "(env E2E_FAULT_FILE; docker/compose.e2e.yaml mounts run/e2e-fault)"
+        ),
+    )
+
+
+def _float_env(name: str) -> float | None:
+    raw = os.environ.get(name)
+    return float(raw) if raw else None
 
 
 @dataclass
@@ -50,9 +91,26 @@ class Stack:
     prefill: str
     decode: str
     reference: str
-    # Only a stack this suite started has the fault switch.
+    # A stack this suite started (the twin).
     owned: bool
     run_dir: Path | None = None
+    # pdstack.oracle: 0 compares every token.
+    epsilon: float = 0.0
+    # Decode's fault switch, as a path on this host (None: not reachable).
+    fault_file: Path | None = None
+
+    def reference_steps(self, prompt: list[int], max_tokens: int) -> list[oracle.Step]:
+        """The colocated reference's greedy tokens with their margins."""
+        done = client.trace(self.reference, prompt, max_tokens)
+        assert done.top_logprobs is not None
+        return oracle.steps(done.token_ids, done.top_logprobs)
+
+    def judge(
+        self, reference: list[oracle.Step], answer: list[int], label: str
+    ) -> oracle.Verdict:
+        verdict = oracle.judge(reference, answer, self.epsilon)
+        JUDGED.append((label, verdict))
+        return verdict
 
     def prompt(self, length: int, salt: int = 0) -> list[int]:
         """A prompt of exactly ``length`` tokens; ``salt`` makes it distinct."""
@@ -63,6 +121,8 @@ class Stack:
 
 
 _TOKENS: dict[str, list[int]] = {}
+# Every answer judged this session: the near-tie report at the end.
+JUDGED: list[tuple[str, oracle.Verdict]] = []
 
 
 def _corpus_tokens(url: str) -> list[int]:
@@ -88,12 +148,16 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
         missing = [n for n in ("prefill", "decode") if not opt(f"{n}_url")]
         if missing:
             pytest.exit(f"--router-url given; also give --{missing[0]}-url", 2)
+        epsilon = opt("near_tie_epsilon")
+        fault_file = opt("fault_file")
         yield Stack(
             router=opt("router_url"),
             prefill=opt("prefill_url"),
             decode=opt("decode_url"),
             reference=opt("reference_url") or opt("prefill_url"),
             owned=False,
+            epsilon=oracle.GPU_EPSILON if epsilon is None else epsilon,
+            fault_file=Path(fault_file) if fault_file else None,
         )
         return
     E2E_RUN_DIR.mkdir(parents=True, exist_ok=True)
@@ -111,9 +175,49 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
             reference=urls.prefill,
             owned=True,
             run_dir=E2E_RUN_DIR,
+            epsilon=opt("near_tie_epsilon") or 0.0,
+            fault_file=FAULT_FILE,
         )
     finally:
         twin.down(E2E_RUN_DIR, progress=_progress)
+
+
+@pytest.fixture(scope="session")
+def layout(stack: Stack, request: pytest.FixtureRequest) -> kv_layout.KVLayout:
+    """What a transfer of this stack moves: the servers' block size and KV
+    type, the models' shapes. Prefill and decode must agree."""
+    opt = request.config.getoption
+    if opt("target_config"):
+        target = kv_layout.read_config(Path(opt("target_config")))
+        draft_path = opt("draft_config")
+        draft = kv_layout.read_config(Path(draft_path)) if draft_path else None
+    else:
+        models = tiny_model.ensure_models(progress=_progress)
+        target = kv_layout.read_config(models.target)
+        draft = kv_layout.read_config(models.draft)
+    layouts = {}
+    for name in ("prefill", "decode"):
+        snapshot = m.scrape(getattr(stack, name))
+        layouts[name] = kv_layout.served(
+            snapshot.labels_of(m.CACHE_CONFIG_INFO),
+            snapshot.labels_of(m.KV_CACHE_INFO),
+            target,
+            draft,
+        )
+    print(f"[stack] KV layout: {layouts['prefill']}")
+    assert layouts["prefill"] == layouts["decode"], layouts
+    return layouts["prefill"]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not JUDGED:
+        return
+    ties = [(label, v) for label, v in JUDGED if v.near_tie_at is not None]
+    terminalreporter.write_line(
+        f"oracle: {len(JUDGED)} answers judged, {len(ties)} met a near-tie"
+        + (": " + "; ".join(f"{lbl} at token {v.near_tie_at}" for lbl, v in ties))
+        * bool(ties)
+    )
 
 
 def _progress(line: str) -> None:

@@ -19,13 +19,13 @@ MAX_TOKENS = 12
 
 
 def prefix_caching(url: str) -> bool:
-    info = m.scrape(url).labels_of("vllm:cache_config_info")
+    info = m.scrape(url).labels_of(m.CACHE_CONFIG_INFO)
     return info.get("enable_prefix_caching") == "True"
 
 
 def test_full_prefix_hit_on_decode(stack: Stack) -> None:
     prompt = stack.prompt(80, salt=4000)
-    expected = client.complete(stack.reference, prompt, MAX_TOKENS).token_ids
+    expected = stack.reference_steps(prompt, MAX_TOKENS)
     first = client.complete(stack.router, prompt, MAX_TOKENS).token_ids
     before = m.scrape(stack.decode)
     second = client.complete(stack.router, prompt, MAX_TOKENS).token_ids
@@ -34,8 +34,9 @@ def test_full_prefix_hit_on_decode(stack: Stack) -> None:
     )
     sources = delta.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
     print(f"second identical request: decode prompt sources {sources}")
-    assert first == expected
-    assert second == expected
+    for label, answer in (("first", first), ("second", second)):
+        verdict = stack.judge(expected, answer, f"full prefix hit, {label}")
+        assert verdict.ok, f"{label}: {verdict.describe()}"
     assert sum(sources.values()) == len(prompt)
     if prefix_caching(stack.decode):
         assert sources.get("local_cache_hit", 0) > 0
@@ -47,14 +48,15 @@ def test_partial_prefix_hit_on_decode(stack: Stack) -> None:
     shared = stack.prompt(64, salt=4100)
     client.complete(stack.router, shared + stack.prompt(20, salt=4200), MAX_TOKENS)
     prompt = shared + stack.prompt(30, salt=4300)
-    expected = client.complete(stack.reference, prompt, MAX_TOKENS).token_ids
+    expected = stack.reference_steps(prompt, MAX_TOKENS)
     got = client.complete(stack.router, prompt, MAX_TOKENS).token_ids
-    assert got == expected
+    verdict = stack.judge(expected, got, "partial prefix hit")
+    assert verdict.ok, verdict.describe()
 
 
 def test_prefix_caching_state_is_known(stack: Stack) -> None:
     """The conditional above reads real server state, not a guess."""
-    info = m.scrape(stack.decode).labels_of("vllm:cache_config_info")
+    info = m.scrape(stack.decode).labels_of(m.CACHE_CONFIG_INFO)
     if not info:
         pytest.fail("decode exports no vllm:cache_config_info")
     assert info["enable_prefix_caching"] in ("True", "False")

@@ -19,7 +19,9 @@ from pdstack import metrics as m
 MAX_TOKENS = 12
 
 
-def pulled(stack: Stack, before: dict[str, m.Snapshot], tokens: int) -> tuple:
+def pulled(
+    stack: Stack, before: dict[str, m.Snapshot], tokens: int, transfer_bytes: int
+) -> tuple:
     """(decode, prefill) deltas once decode has counted ``tokens`` loaded."""
     decode = m.settle(
         stack.decode,
@@ -29,25 +31,35 @@ def pulled(stack: Stack, before: dict[str, m.Snapshot], tokens: int) -> tuple:
     prefill = m.settle(
         stack.prefill,
         before["prefill"],
-        lambda d: d.total(m.BYTES) >= kv_layout.transfer_bytes(tokens),
+        lambda d: d.total(m.BYTES) >= transfer_bytes,
     )
     return decode, prefill
 
 
-def test_each_prompt_of_a_batch_is_decoded_from_its_own_kv(stack: Stack) -> None:
+def test_each_prompt_of_a_batch_is_decoded_from_its_own_kv(
+    stack: Stack, layout: kv_layout.KVLayout
+) -> None:
     # Distinct lengths (distinct KV sizes), and one prompt twice.
     a, b, c = (stack.prompt(n, salt=4100 + n) for n in (21, 48, 70))
     batch = [a, b, a, c]
-    expected = [
-        client.complete(stack.reference, p, MAX_TOKENS).token_ids for p in batch
-    ]
-    assert len({tuple(e) for e in expected}) == 3, "prompts must differ in output"
+    expected = [stack.reference_steps(p, MAX_TOKENS) for p in batch]
+    distinct = {tuple(s.token for s in e) for e in expected}
+    assert len(distinct) == 3, "prompts must differ in output"
     before = counters(stack)
     got = [c.token_ids for c in client.complete_all(stack.router, batch, MAX_TOKENS)]
     tokens = sum(kv_layout.tokens_loaded(len(p)) for p in batch)
-    decode, prefill = pulled(stack, before, tokens)
+    decode, prefill = pulled(
+        stack,
+        before,
+        tokens,
+        sum(layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in batch),
+    )
     sources = decode.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
-    wrong = [i for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e]
+    wrong = [
+        (i, v.describe())
+        for i, (g, e) in enumerate(zip(got, expected, strict=True))
+        if not (v := stack.judge(e, g, f"batch prompt {i}")).ok
+    ]
     print(
         f"batch of {len(batch)}: wrong {wrong}; decode sources {sources}; prefill "
         f"{prefill.total(m.TRANSFERS):.0f} transfer(s), {prefill.total(m.BYTES):.0f} "
@@ -58,13 +70,15 @@ def test_each_prompt_of_a_batch_is_decoded_from_its_own_kv(stack: Stack) -> None
     assert sources.get("local_compute", 0) == sum(len(p) for p in batch) - tokens
     # Every engine request's own blocks, not one prompt's KV four times.
     assert prefill.total(m.BYTES) == sum(
-        kv_layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in batch
+        layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in batch
     )
     assert prefill.total(m.FAILED_TRANSFERS) == 0
     assert prefill.total(m.EXPIRED) == 0
 
 
-def test_n_children_each_pull_their_own_copy(stack: Stack) -> None:
+def test_n_children_each_pull_their_own_copy(
+    stack: Stack, layout: kv_layout.KVLayout
+) -> None:
     """n=3 over a batch of 2 prompts: six engine requests per leg. Sampled
     output has no reference; the evidence is that all six arrive, each
     loaded its prompt from prefill, and nothing failed or expired."""
@@ -74,7 +88,10 @@ def test_n_children_each_pull_their_own_copy(stack: Stack) -> None:
         stack.router, prompts, MAX_TOKENS, n=3, temperature=1.0, seed=11
     )
     tokens = 3 * sum(kv_layout.tokens_loaded(len(p)) for p in prompts)
-    decode, prefill = pulled(stack, before, tokens)
+    per_copy = sum(
+        layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in prompts
+    )
+    decode, prefill = pulled(stack, before, tokens, 3 * per_copy)
     sources = decode.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
     print(
         f"n=3 x 2 prompts: {len(got)} choices; decode sources {sources}; prefill "
@@ -84,9 +101,7 @@ def test_n_children_each_pull_their_own_copy(stack: Stack) -> None:
     assert all(len(c.token_ids) == MAX_TOKENS for c in got)
     assert sources.get("external_kv_transfer", 0) == tokens
     assert sources.get("local_compute", 0) == 3 * sum(map(len, prompts)) - tokens
-    assert prefill.total(m.BYTES) == 3 * sum(
-        kv_layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in prompts
-    )
+    assert prefill.total(m.BYTES) == 3 * per_copy
     assert prefill.total(m.FAILED_TRANSFERS) == 0
     assert prefill.total(m.EXPIRED) == 0
     assert decode.total(m.FAILED_RECVS) == 0

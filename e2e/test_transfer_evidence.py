@@ -14,7 +14,14 @@ from conftest import Stack
 from pdstack import client, kv_layout
 from pdstack import metrics as m
 
-LENGTHS = [5, 16, 33, 200]
+# Prompt lengths in blocks of the stack's own size: under one block, exactly
+# one, two and a token, and many.
+LENGTHS = {
+    "under-one-block": lambda block: min(5, block - 1),
+    "one-block": lambda block: block,
+    "two-blocks-plus-one": lambda block: 2 * block + 1,
+    "many-blocks": lambda block: 12 * block + 8,
+}
 
 
 def pd_request(stack: Stack, prompt: list[int]) -> tuple[m.Snapshot, m.Snapshot]:
@@ -30,8 +37,11 @@ def pd_request(stack: Stack, prompt: list[int]) -> tuple[m.Snapshot, m.Snapshot]
     return decode, prefill
 
 
-@pytest.mark.parametrize("length", LENGTHS)
-def test_decode_loads_the_prompt_from_prefill(stack: Stack, length: int) -> None:
+@pytest.mark.parametrize("name", LENGTHS)
+def test_decode_loads_the_prompt_from_prefill(
+    stack: Stack, layout: kv_layout.KVLayout, name: str
+) -> None:
+    length = LENGTHS[name](layout.block_size)
     prompt = stack.prompt(length, salt=1000 + length)
     decode, _ = pd_request(stack, prompt)
     by_source = decode.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
@@ -45,12 +55,16 @@ def test_decode_loads_the_prompt_from_prefill(stack: Stack, length: int) -> None
     assert by_source.get("local_compute", 0) == length - loaded
 
 
-@pytest.mark.parametrize("length", LENGTHS)
-def test_prefill_transfer_metrics(stack: Stack, length: int) -> None:
+@pytest.mark.parametrize("name", LENGTHS)
+def test_prefill_transfer_metrics(
+    stack: Stack, layout: kv_layout.KVLayout, name: str
+) -> None:
+    length = LENGTHS[name](layout.block_size)
     prompt = stack.prompt(length, salt=2000 + length)
     _, prefill = pd_request(stack, prompt)
     regions = prefill.by_label(m.REGION_BYTES, "layout")
-    expected = kv_layout.transfer_bytes(kv_layout.tokens_loaded(length))
+    tokens = kv_layout.tokens_loaded(length)
+    expected = layout.transfer_bytes(tokens)
     print(
         f"{length}-token prompt: {prefill.total(m.TRANSFERS):.0f} transfer(s), "
         f"{prefill.total(m.BYTES):.0f} bytes (layout predicts {expected}), "
@@ -60,9 +74,8 @@ def test_prefill_transfer_metrics(stack: Stack, length: int) -> None:
     assert prefill.total(m.FAILED_TRANSFERS) == 0
     assert prefill.total(m.FAILED_RECVS) == 0
     assert prefill.total(m.BYTES) == expected
-    assert regions.get(kv_layout.MLA, 0) == expected - kv_layout.draft_bytes(
-        kv_layout.tokens_loaded(length)
-    )
-    assert regions.get(kv_layout.GQA, 0) == kv_layout.draft_bytes(
-        kv_layout.tokens_loaded(length)
-    )
+    # The MLA target and the GQA draft are both there, each its own size.
+    assert regions.get(kv_layout.MLA, 0) == layout.transfer_bytes(tokens, kv_layout.MLA)
+    assert regions.get(kv_layout.GQA, 0) == layout.transfer_bytes(tokens, kv_layout.GQA)
+    assert regions.get(kv_layout.MLA, 0) > 0
+    assert regions.get(kv_layout.GQA, 0) > 0

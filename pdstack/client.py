@@ -15,6 +15,9 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    # Per generated position, the best candidates' log-probabilities (only
+    # when asked for with ``logprobs``).
+    top_logprobs: list[dict[str, float]] | None = None
 
 
 class CompletionError(RuntimeError):
@@ -60,8 +63,37 @@ def complete_all(
     if missing or not choices:
         raise CompletionError(f"{base_url}: no token_ids in {missing or choices}")
     return [
-        Completion(c["token_ids"], c["text"], c.get("finish_reason")) for c in choices
+        Completion(
+            c["token_ids"],
+            c["text"],
+            c.get("finish_reason"),
+            (c.get("logprobs") or {}).get("top_logprobs"),
+        )
+        for c in choices
     ]
+
+
+def trace(
+    base_url: str,
+    prompt: list[int],
+    max_tokens: int = 16,
+    timeout: float = REQUEST_TIMEOUT_S,
+    **extra: object,
+) -> Completion:
+    """A greedy completion with the two best candidates at every position,
+    keyed by token id ("token_id:N": two tokens with the same text stay apart)."""
+    done = complete(
+        base_url,
+        prompt,
+        max_tokens,
+        timeout,
+        logprobs=2,
+        return_tokens_as_token_ids=True,
+        **extra,
+    )
+    if done.top_logprobs is None or len(done.top_logprobs) != len(done.token_ids):
+        raise CompletionError(f"{base_url}: no top logprobs per token in {done}")
+    return done
 
 
 def tokenize(base_url: str, text: str) -> list[int]:

@@ -25,6 +25,11 @@ EXPIRED = "vllm:mooncake_expired_requests_total"
 REGION_BYTES = "vllm:mooncake_region_bytes_total"
 TRANSFER_SECONDS = "vllm:mooncake_transfer_time_seconds_sum"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+# Info gauges (labels only): vLLM's cache configuration, and the plugin's
+# KV element type, tensor-parallel width and fault switch.
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+KV_CACHE_INFO = "vllm:mooncake_kv_cache_info"
+RUNNING = "vllm:num_requests_running"
 
 Labels = frozenset[tuple[str, str]]
 

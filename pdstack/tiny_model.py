@@ -199,19 +199,6 @@ class DraftCheckpointError(RuntimeError):
     """The draft checkpoint does not have exactly the weights vLLM needs."""
 
 
-# --- derived figures used by other parts of the stack ---------------------------
-def target_kv_bytes_per_token() -> int:
-    """MLA caches one latent (kv_lora_rank + rope dims) per token per layer."""
-    per_layer = (TARGET_KV_LORA_RANK + TARGET_QK_ROPE_HEAD_DIM) * DTYPE_BYTES
-    return per_layer * TARGET_NUM_LAYERS
-
-
-def draft_kv_bytes_per_token() -> int:
-    """The draft caches K and V for each KV head in each of its layers."""
-    per_layer = 2 * DRAFT_NUM_KV_HEADS * DRAFT_HEAD_DIM * DTYPE_BYTES
-    return per_layer * DRAFT_NUM_LAYERS
-
-
 def _generator_params() -> dict[str, Any]:
     """Everything that determines the generated files."""
     names = sorted(

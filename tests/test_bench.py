@@ -11,6 +11,7 @@ control. No assertion here is about speed (timing belongs to `make bench`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -26,7 +27,14 @@ from bench.vllm_bench import Level, Plan, bench_serve_args
 from pdstack import kv_layout
 
 FIXTURE = Path(__file__).resolve().parent.parent / "bench" / "fixtures" / "small-run"
-BLOCK = kv_layout.transfer_bytes(kv_layout.BLOCK_SIZE)
+# The CPU twin's layout (tests/test_kv_layout.py checks it against the models).
+TWIN = kv_layout.layout(
+    {"num_hidden_layers": 8, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
+    {"num_hidden_layers": 1, "num_key_value_heads": 2, "head_dim": 64},
+    "float32",
+    16,
+)
+BLOCK = TWIN.bytes_per_block()
 
 
 # --- transfer engine ----------------------------------------------------------
@@ -65,7 +73,7 @@ def test_kv_descriptors_cover_the_bytes_once() -> None:
 def counters(lens: list[int], **changes: float) -> dict[str, float]:
     base = {
         "transfers": len(lens),
-        "bytes": sum(kv_layout.transfer_bytes(n) for n in lens),
+        "bytes": sum(TWIN.transfer_bytes(n) for n in lens),
         "seconds": 0.02 * len(lens),
         "descriptors": 9 * len(lens),
         "failed_transfers": 0,
@@ -78,7 +86,7 @@ def counters(lens: list[int], **changes: float) -> dict[str, float]:
 
 def test_layout_check_accepts_whole_blocks_per_request() -> None:
     lens = [128, 130, 4096]
-    check = kv_transfer.check_layout(lens, counters(lens), "tiny")
+    check = kv_transfer.check_layout(lens, counters(lens), TWIN)
     assert check is not None and check.ok, check
     # 8 + 9 + 256 blocks of 311296 bytes: per request, never pooled.
     assert check.expected_bytes == (8 + 9 + 256) * BLOCK == (8 + 9 + 256) * 311296
@@ -101,7 +109,7 @@ def test_layout_check_negative_controls(change: dict[str, float], why: str) -> N
     if "bytes_delta" in change:
         values["bytes"] += change.pop("bytes_delta")
     values.update(change)
-    check = kv_transfer.check_layout(lens, values, "tiny")
+    check = kv_transfer.check_layout(lens, values, TWIN)
     assert check is not None and not check.ok
     assert why in check.detail
 
@@ -109,13 +117,34 @@ def test_layout_check_negative_controls(change: dict[str, float], why: str) -> N
 def test_layout_check_accepts_requests_sharing_a_transfer() -> None:
     """Prefill batches the requests bound for one decode: bytes still add up."""
     lens = [128, 130, 4096]
-    check = kv_transfer.check_layout(lens, counters(lens, transfers=1), "tiny")
+    check = kv_transfer.check_layout(lens, counters(lens, transfers=1), TWIN)
     assert check is not None and check.ok, check
     assert "3 requests in 1 transfers" in check.detail
 
 
 def test_layout_check_is_skipped_without_a_layout_model() -> None:
-    assert kv_transfer.check_layout([128], counters([128]), "kimi-k2.5") is None
+    assert kv_transfer.check_layout([128], counters([128]), None) is None
+
+
+def test_layout_check_follows_the_stacks_block_size() -> None:
+    """A GPU stack's 64-token bfloat16 blocks: 128 tokens are 2 blocks there."""
+    gpu = kv_layout.layout(
+        {"num_hidden_layers": 8, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
+        {"num_hidden_layers": 1, "num_key_value_heads": 2, "head_dim": 64},
+        "bfloat16",
+        64,
+    )
+    values = {**counters([130]), "bytes": gpu.transfer_bytes(130)}
+    check = kv_transfer.check_layout([130], values, gpu)
+    assert check is not None and check.ok, check
+    assert "64-token blocks" in check.detail
+    assert not kv_transfer.check_layout([130], values, TWIN).ok
+
+
+def test_layout_round_trips_through_the_run_directory() -> None:
+    data = json.loads(json.dumps(dataclasses.asdict(TWIN)))
+    assert kv_transfer.layout_from_json(data) == TWIN
+    assert kv_transfer.layout_from_json(None) is None
 
 
 def test_transfer_cost_per_request() -> None:

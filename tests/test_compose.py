@@ -379,7 +379,12 @@ def reference_violations(model: Mapping[str, Any]) -> list[str]:
                 source = "./" + os.path.relpath(source, ROOT)
             if not source.startswith((".", "/")) and source not in volumes:
                 problems.append(f"{name}: undefined volume {source}")
-            if source.startswith(".") and not (ROOT / source).exists():
+            # A run-time directory compose creates itself is fine; a missing
+            # file or directory it would not create is a broken mount.
+            created = isinstance(volume, dict) and (volume.get("bind") or {}).get(
+                "create_host_path"
+            )
+            if source.startswith(".") and not (ROOT / source).exists() and not created:
                 problems.append(f"{name}: bind source {source} does not exist")
         for item in service.get("configs", []):
             if item["source"] not in configs:
@@ -509,6 +514,17 @@ def test_e2e_override_publishes_only_prefill_and_decode_http_on_loopback() -> No
         "router": [("", port["ROUTER_PORT"], port["ROUTER_PORT"])],
     }
     assert [p for check in CHECKERS for p in check(model)] == []
+    # The fault switch on decode only, read-only, from the host path the
+    # suite's --fault-file names (make e2e).
+    decode = model["services"]["decode"]
+    assert decode["environment"]["PD_MOONCAKE_FAULT_FILE"] == "/run/pd-fault/fault"
+    assert "PD_MOONCAKE_FAULT_FILE" not in model["services"]["prefill"]["environment"]
+    (mount,) = [v for v in decode["volumes"] if v["target"] == "/run/pd-fault"]
+    assert mount["read_only"] is True
+    assert Path(mount["source"]) == ROOT / "run" / "e2e-fault"
+    for name in ("prefill", "decode"):
+        env = model["services"][name]["environment"]
+        assert env["VLLM_BATCH_INVARIANT"] == "0"
     # Without configs/ports.env the override stops with a clear message.
     result = compose_cli("config", "--quiet", files=files)
     assert result.returncode != 0

@@ -38,3 +38,15 @@ def test_fault_file_switches_on_and_off(
     assert faults.active_fault() == faults.CORRUPT_RECEIVED_KV
     switch.unlink()
     assert faults.active_fault() is None
+
+
+def test_corrupts_the_block_dimension_of_kv_first_gpu_layouts() -> None:
+    """FlashAttention's cache is (2, num_blocks, block_size, heads, head): the
+    blocks are dim 1 (dim 0 would be K/V, and block id 4 out of range)."""
+    caches = {"mla": torch.zeros(6, 16, 96), "draft": torch.zeros(2, 6, 16, 2, 8)}
+    assert faults.corrupt_blocks(caches, [4, 1], num_blocks=6) == 2
+    assert [b for b in range(6) if torch.count_nonzero(caches["mla"][b])] == [1, 4]
+    draft = caches["draft"]
+    assert [b for b in range(6) if torch.count_nonzero(draft[:, b])] == [1, 4]
+    with pytest.raises(ValueError, match="no dimension of 7 blocks"):
+        faults.corrupt_blocks({"x": torch.zeros(2, 6, 4)}, [1], num_blocks=7)

@@ -42,14 +42,40 @@ def active_fault() -> str | None:
     return fault
 
 
+def configured_switch() -> str:
+    """How this server can be faulted: "file" (switched by the file at
+    PD_MOONCAKE_FAULT_FILE), "env" (PD_MOONCAKE_FAULT), or "none"."""
+    if os.environ.get(FAULT_ENV):
+        return "env"
+    return "file" if os.environ.get(FAULT_FILE_ENV) else "none"
+
+
 def corrupt_blocks(
-    kv_caches: Mapping[str, torch.Tensor], kernel_block_ids: Iterable[int]
+    kv_caches: Mapping[str, torch.Tensor],
+    kernel_block_ids: Iterable[int],
+    num_blocks: int | None = None,
 ) -> int:
-    """Overwrite the given kernel blocks of every layer; returns blocks hit."""
+    """Overwrite the given kernel blocks of every layer; returns blocks hit.
+
+    The block dimension is the one of ``num_blocks`` kernel blocks: dim 0 for
+    MLA and CPU caches, dim 1 where a GPU backend puts K and V first
+    (FlashAttention's ``(2, num_blocks, block_size, heads, head_size)``).
+    """
     ids = torch.tensor(sorted(set(kernel_block_ids)), dtype=torch.long)
     if ids.numel() == 0:
         return 0
-    for cache in kv_caches.values():
+    for name, cache in kv_caches.items():
+        dim = _block_dim(cache, num_blocks)
+        if dim is None:
+            raise ValueError(
+                f"{name}: no dimension of {num_blocks} blocks in {cache.shape}"
+            )
         # Deterministic but far from any real activation.
-        cache.index_fill_(0, ids, 3.0)
+        cache.index_fill_(dim, ids.to(cache.device), 3.0)
     return int(ids.numel())
+
+
+def _block_dim(cache: torch.Tensor, num_blocks: int | None) -> int | None:
+    if num_blocks is None or cache.shape[0] == num_blocks:
+        return 0
+    return next((d for d, n in enumerate(cache.shape) if n == num_blocks), None)
