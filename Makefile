@@ -69,23 +69,53 @@ lint: install ## ruff check and format check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# `make preflight`: vLLM's CUDA attention selector asked, on A100/H100/B200
+# (sm80, sm90, sm100), whether it takes every profile's GPU flags; runs on any
+# host (docs/gpu.md). E.g. PREFLIGHT_ARGS="--profile kimi-k2.5 --model-config
+# /path/config.json --draft-config /path/draft/config.json" or "--json".
+PREFLIGHT_ARGS ?=
+
+.PHONY: preflight
+preflight: install ## GPU preflight: would vLLM's CUDA selector take each profile's flags?
+	$(PY) -m pdstack.preflight $(PREFLIGHT_ARGS)
+
 .PHONY: test
 test: install lint ## Everything CI runs: unit tests, then the e2e suite on the CPU twin
+	$(PY) -m pdstack.preflight
 	$(PY) -m pytest plugin/tests tests $(PYTEST_ARGS)
 	$(PY) -m pytest e2e $(PYTEST_ARGS)
+
+# GPU host: 1 where vLLM's CUDA selector, asked at this host's first GPU's
+# capability, keeps every attention backend of the profile batch invariant;
+# `make up-e2e` then sets VLLM_BATCH_INVARIANT=1 and `make e2e` compares
+# exactly (epsilon 0). Elsewhere, and without nvidia-smi, 0.
+PD_BATCH_INVARIANT ?= $(shell cap=$$(nvidia-smi --query-gpu=compute_cap \
+  --format=csv,noheader 2>/dev/null | head -1); test -n "$$cap" && \
+  $(PY) -m pdstack.preflight --profile $(PROFILE) --capability "$$cap" \
+  --print batch-invariant 2>/dev/null || echo 0)
+# The suite's near-tie epsilon against a running stack (pdstack/oracle.py).
+E2E_NEAR_TIE_EPSILON ?= $(if $(filter 1,$(PD_BATCH_INVARIANT)),0,0.1)
+# Decode's fault switch as this host sees it (docker/compose.e2e.yaml mounts
+# its directory into decode).
+E2E_FAULT_DIR := run/e2e-fault
 
 .PHONY: e2e
 e2e: install ## The e2e suite against a running stack (default: `make up-e2e` on this host)
 	$(PY) -m pytest e2e --router-url $(E2E_ROUTER_URL) \
-	  --prefill-url $(E2E_PREFILL_URL) --decode-url $(E2E_DECODE_URL) $(PYTEST_ARGS)
+	  --prefill-url $(E2E_PREFILL_URL) --decode-url $(E2E_DECODE_URL) \
+	  --near-tie-epsilon $(E2E_NEAR_TIE_EPSILON) \
+	  --fault-file $(E2E_FAULT_DIR)/fault $(PYTEST_ARGS)
 
 .PHONY: up
 up: ## GPU host: start the compose stack (see docs/gpu.md)
 	$(COMPOSE) up -d --wait
 
 .PHONY: up-e2e
-up-e2e: ## GPU host: the compose stack with prefill/decode also on 127.0.0.1, for `make e2e`
-	$(COMPOSE) -f docker/compose.e2e.yaml up -d --wait
+up-e2e: install ## GPU host: the compose stack with prefill/decode also on 127.0.0.1, for `make e2e`
+	@# Created by this user, so the suite can write the switch decode reads.
+	mkdir -p $(E2E_FAULT_DIR)
+	rm -f $(E2E_FAULT_DIR)/fault
+	PD_BATCH_INVARIANT=$(PD_BATCH_INVARIANT) $(COMPOSE) -f docker/compose.e2e.yaml up -d --wait
 
 .PHONY: down
 down: ## GPU host: stop the compose stack

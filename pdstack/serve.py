@@ -17,7 +17,8 @@ import sys
 from pdstack import config
 
 
-def command(role: str, profile: str, target: str, host: str) -> tuple[list[str], dict]:
+def plan(role: str, profile: str, target: str) -> tuple[dict, dict[str, str]]:
+    """The role's vLLM flags (site overrides applied) and their substitutions."""
     chosen = config.profile(profile)
     substitutions: dict[str, str] = {}
     if chosen.get("generate") == "tiny":
@@ -28,9 +29,14 @@ def command(role: str, profile: str, target: str, host: str) -> tuple[list[str],
             "tiny_target": str(models.target),
             "tiny_draft": str(models.draft),
         }
+    flags = config.with_env_overrides(config.vllm_flags(role, profile, target))
+    return flags, substitutions
+
+
+def command(role: str, profile: str, target: str, host: str) -> tuple[list[str], dict]:
+    flags, substitutions = plan(role, profile, target)
     ports = config.ports()
     port = ports.prefill if role == "prefill" else ports.decode
-    flags = config.with_env_overrides(config.vllm_flags(role, profile, target))
     argv = [
         sys.executable,
         "-m",
@@ -42,6 +48,24 @@ def command(role: str, profile: str, target: str, host: str) -> tuple[list[str],
         str(port),
     ]
     return argv, config.server_env(role, target, ports.bootstrap)
+
+
+def preflight(role: str, profile: str, parser: argparse.ArgumentParser) -> None:
+    """Ask vLLM's CUDA attention selector, at this device's capability, whether
+    it takes the flags, before vLLM loads anything: a misconfigured stack then
+    fails in seconds with the key to change (PD_PREFLIGHT=0 skips it)."""
+    from pdstack import preflight as check
+
+    flags, substitutions = plan(role, profile, "gpu")
+    try:
+        problems = check.gate(profile, role, check.substituted(flags, substitutions))
+    except Exception as exc:
+        # A preflight that cannot run (a vLLM it does not know) must not keep
+        # a correct stack down: vLLM's own start-up checks still apply.
+        print(f"pdstack.serve: preflight did not run: {exc!r}", file=sys.stderr)
+        return
+    if problems:
+        parser.exit(2, "".join(f"pdstack.serve: {p}\n" for p in problems))
 
 
 def main(args: list[str] | None = None) -> None:
@@ -60,6 +84,8 @@ def main(args: list[str] | None = None) -> None:
         print(" ".join(f"{k}={v}" for k, v in sorted(env.items())))
         print(" ".join(argv))
         return
+    if opts.target == "gpu" and os.environ.get("PD_PREFLIGHT", "1") != "0":
+        preflight(opts.role, opts.profile, parser)
     os.execvpe(argv[0], argv, {**os.environ, **env})
 
 

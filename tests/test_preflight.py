@@ -1,0 +1,245 @@
+"""The GPU preflight: vLLM's own CUDA attention selector, asked from any host."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdstack import config, cuda_selector, kv_layout, preflight, serve
+
+ROLES = config.ROLES
+GPUS = {gpu: cap for gpu, (cap, _) in preflight.GPUS.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> list[preflight.Check]:
+    return preflight.run(["tiny"], GPUS)
+
+
+@pytest.fixture
+def configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of configs/ that pdstack.config renders from."""
+    copy = tmp_path / "configs"
+    shutil.copytree(config.CONFIGS, copy)
+    monkeypatch.setattr(config, "CONFIGS", copy)
+    return copy
+
+
+def set_gpu_flag(configs: Path, profile: str, key: str, value: Any) -> None:
+    path = configs / "profiles" / f"{profile}.yaml"
+    data = yaml.safe_load(path.read_text())
+    data.setdefault("targets", {}).setdefault("gpu", {})[key] = value
+    path.write_text(yaml.safe_dump(data))
+
+
+def tiny_configs() -> tuple[dict[str, Any], dict[str, Any]]:
+    flags = config.vllm_flags("prefill", "tiny", "gpu")
+    subs = preflight.profile_substitutions("tiny")
+    target, draft = preflight.models(preflight.substituted(flags, subs))
+    assert draft is not None
+    return target, draft
+
+
+def test_tiny_gpu_configuration_is_accepted_on_sm80_sm90_sm100(
+    tiny: list[preflight.Check],
+) -> None:
+    assert sorted((c.role, c.gpu) for c in tiny) == sorted(
+        (r, g) for r in ROLES for g in GPUS
+    )
+    for c in tiny:
+        assert c.status == "accepted", (c.gpu, c.problems)
+        assert c.dtype == "bfloat16"  # configs/profiles/tiny.yaml targets.gpu
+        assert [(la.model, la.kind) for la in c.layers] == [
+            ("target", "MLA"),
+            ("draft", "GQA"),
+        ]
+        assert all(la.pick for la in c.layers)
+
+
+def test_vllm_itself_finds_a_valid_backend_for_the_tiny_gpu_layers() -> None:
+    """Not through the preflight's reading: vLLM's get_valid_backends returns
+    a valid candidate, so get_attn_backend_cls would not raise."""
+    v = cuda_selector.vllm()
+    target, draft = tiny_configs()
+    for head, mla in ((kv_layout.mla_head_size(target), True), (64, False)):
+        assert mla or head == kv_layout.head_dim(draft)
+        sel = v.selector_config(
+            head_size=head,
+            dtype=v.torch_dtype("bfloat16"),
+            kv_cache_dtype="auto",
+            block_size=None,
+            use_mla=mla,
+            use_kv_connector=True,
+        )
+        for cap in GPUS.values():
+            with cuda_selector._asking(v):
+                valid, _ = v.cuda.CudaPlatform.get_valid_backends(
+                    v.capability(*cap), sel, num_heads=target["num_attention_heads"]
+                )
+            assert valid, (cap, mla)
+
+
+def test_block_sizes_and_region_bytes_follow_the_picked_backends(
+    tiny: list[preflight.Check],
+) -> None:
+    v = cuda_selector.vllm()
+    target = tiny_configs()[0]
+    for c in tiny:
+        for layer in c.layers:
+            backend = cuda_selector.original_class(v, layer.pick)
+            # The kernel block size is one the picked kernel takes, and the
+            # engine's block a whole number of kernel blocks.
+            assert backend.supports_block_size(c.kernel_block_size), layer.pick
+            assert c.block_size % c.kernel_block_size == 0
+        mla, gqa = c.regions
+        assert (mla["layout"], mla["layers"]) == (kv_layout.MLA, 8)
+        latent = target["kv_lora_rank"] + target["qk_rope_head_dim"]
+        assert mla["bytes_per_block"] == latent * 2 * c.kernel_block_size
+        # K and V of 2 KV heads of 64, bfloat16, one layer.
+        assert (gqa["layout"], gqa["layers"]) == (kv_layout.GQA, 1)
+        assert gqa["bytes_per_block"] == 2 * 2 * 64 * 2 * c.kernel_block_size
+        assert c.bytes_per_token == 8 * latent * 2 + 2 * 2 * 64 * 2
+
+
+def test_batch_invariance_is_reported_with_backends_that_support_it(
+    tiny: list[preflight.Check],
+) -> None:
+    v = cuda_selector.vllm()
+    for c in tiny:
+        assert c.batch_invariant is True
+        for layer in c.layers:
+            cls = cuda_selector.original_class(v, layer.batch_invariant_pick)
+            assert cls.supports_batch_invariance(), layer.batch_invariant_pick
+
+
+def test_float32_on_gpu_is_rejected_naming_dtype(configs: Path) -> None:
+    """Negative control: today's CPU dtype rendered for the GPU target."""
+    set_gpu_flag(configs, "tiny", "dtype", "float32")
+    checks = preflight.run(["tiny"], GPUS)
+    assert {c.status for c in checks} == {"rejected"}
+    for c in checks:
+        (problem,) = c.problems  # the MLA target; the GQA draft takes float32
+        assert "target MLA layers" in problem
+        assert "dtype not supported" in problem
+        assert "Change `dtype` in configs/profiles/tiny.yaml" in problem
+        assert "dtype bfloat16" in problem  # what vLLM would take instead
+    assert "rejected" in preflight.table(checks)
+
+
+def test_a_block_size_no_kernel_takes_is_rejected_naming_block_size(
+    configs: Path,
+) -> None:
+    set_gpu_flag(configs, "tiny", "block-size", 8)
+    checks = preflight.run(["tiny"], {"sm90": (9, 0)}, roles=["decode"])
+    (c,) = checks
+    assert c.status == "rejected"
+    assert all("block_size not supported" in p for p in c.problems)
+    assert all(
+        "Change `block-size` in configs/profiles/tiny.yaml" in p for p in c.problems
+    )
+
+
+def test_a_block_size_can_change_the_pick() -> None:
+    """32 is no multiple of FlashMLA's kernel block: vLLM falls back."""
+    (default,) = preflight.run(["tiny"], {"sm90": (9, 0)}, roles=["prefill"])
+    (c,) = preflight.run(
+        ["tiny"], {"sm90": (9, 0)}, roles=["prefill"], overrides={"block-size": 32}
+    )
+    assert c.status == "accepted"
+    assert (c.block_size, c.kernel_block_size) == (32, 32)
+    assert "block_size not supported" in c.layers[0].reasons[default.layers[0].pick]
+
+
+def test_hub_profile_without_a_config_is_unknown_and_downloads_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    checks = preflight.run(["kimi-k2.5"], GPUS)
+    assert {c.status for c in checks} == {"unknown"}
+    assert all("--model-config" in c.notes[0] for c in checks)
+    assert not (tmp_path / "empty").exists()
+
+
+def kimi_like(tmp_path: Path) -> tuple[Path, Path]:
+    """Kimi-K2.5's shapes (a text_config nested in a multimodal wrapper)."""
+    text = dict(
+        model_type="deepseek_v3",
+        torch_dtype="bfloat16",
+        num_hidden_layers=61,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        hidden_size=7168,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    )
+    target = {"model_type": "kimi_k25", "text_config": text}
+    draft = dict(
+        model_type="llama",
+        num_hidden_layers=1,
+        hidden_size=7168,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+    )
+    paths = tmp_path / "target.json", tmp_path / "draft.json"
+    for path, data in zip(paths, (target, draft), strict=True):
+        path.write_text(json.dumps(data))
+    return paths
+
+
+def test_hub_profile_with_given_configs_is_checked(tmp_path: Path) -> None:
+    model, draft = kimi_like(tmp_path)
+    checks = preflight.run(["kimi-k2.5"], GPUS, model_config=model, draft_config=draft)
+    for c in checks:
+        assert c.status == "accepted", c.problems
+        assert c.dtype == "bfloat16"  # the checkpoint's: no dtype flag
+        # tensor-parallel-size 8: 64 heads are 8 per rank.
+        assert [la.num_heads for la in c.layers] == [8, 8]
+        assert c.regions[0]["layers"] == 61
+
+
+def test_cli_prints_batch_invariance_and_fails_a_rejection(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["--profile", "tiny", "--capability", "9.0", "--role", "prefill"]
+    assert preflight.main([*args, "--print", "batch-invariant"]) == 0
+    assert capsys.readouterr().out == "1\n"
+    assert preflight.main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and report["checks"][0]["capability"] == "9.0"
+    assert preflight.main([*args, "--set", "dtype=float32"]) == 1
+    assert "`dtype`" in capsys.readouterr().out
+
+
+def test_reasons_for_missing_kernels_are_not_rejections() -> None:
+    assert cuda_selector.is_availability("ModuleNotFoundError: No module named 'x'")
+    assert cuda_selector.is_availability(
+        "vllm._flashmla_C is not available, likely was not compiled"
+    )
+    for reason in preflight.FIXES:
+        assert not cuda_selector.is_availability(reason)
+
+
+def test_serve_runs_the_preflight_before_exec_on_gpu(
+    configs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    execs: list[list[str]] = []
+    monkeypatch.setattr(serve.os, "execvpe", lambda _f, argv, _e: execs.append(argv))
+    monkeypatch.setattr(preflight, "device_gpus", lambda: {"sm90": (9, 0)})
+    serve.main(["--role", "prefill", "--target", "gpu", "--profile", "tiny"])
+    assert len(execs) == 1
+    set_gpu_flag(configs, "tiny", "dtype", "float32")
+    with pytest.raises(SystemExit) as stop:
+        serve.main(["--role", "prefill", "--target", "gpu", "--profile", "tiny"])
+    assert stop.value.code == 2 and len(execs) == 1
+    monkeypatch.setenv("PD_PREFLIGHT", "0")  # the kill switch
+    serve.main(["--role", "prefill", "--target", "gpu", "--profile", "tiny"])
+    assert len(execs) == 2
