@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import Any
 
+import pytest
+import zmq.asyncio
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -11,8 +20,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
-from pd_mooncake import metrics
+from pd_mooncake import connector, metrics
 
 
 class RegisteredIn:
@@ -35,21 +45,38 @@ def _bind(kind, registry):
 def exported(data: dict) -> dict[str, float]:
     registry = CollectorRegistry()
     prom = metrics.PDMooncakePromMetrics(
-        SimpleNamespace(kv_transfer_config=None),
+        SimpleNamespace(
+            kv_transfer_config=None,
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+            model_config=SimpleNamespace(dtype="torch.float32"),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        ),
         RegisteredIn(registry).types,
         ["model_name", "engine"],
         {0: ["m", "0"]},
     )
     prom.observe(data, 0)
+    # Read back from the exposition text /metrics serves (what Prometheus and
+    # the e2e suite parse), not from the registry's objects.
+    served = list(text_string_to_metric_families(generate_latest(registry).decode()))
     values = {}
-    for family in registry.collect():
+    for family in served:
         for sample in family.samples:
             key = sample.name + (
                 f"{{{sample.labels['region']}}}" if "region" in sample.labels else ""
             )
             values[key] = sample.value
-    assert generate_latest(registry)
+    # Every sample the registry holds is served, with its labels and value.
+    assert samples(served) == samples(registry.collect())
     return values
+
+
+def samples(families: Any) -> dict[tuple[str, frozenset], float]:
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in families
+        for sample in family.samples
+    }
 
 
 def recorded_stats() -> metrics.PDMooncakeStats:
@@ -119,3 +146,156 @@ def test_a_coalesced_descriptor_is_split_across_interleaved_layers() -> None:
         ("b", "GQA K/V", 200),
         ("unregistered", "unknown", 200),
     ]
+
+
+# --- retried attempts and the failure record -----------------------------------
+# A Mooncake TCP stall (a batch failing at MC_TRANSFER_TIMEOUT while the peer
+# stops answering, kvcache-ai/Mooncake#4209 family) cannot be produced on
+# demand between two real engines, so the engine is scripted; the worker's
+# retry loop, upstream's _send_blocks, the stats and the scrape are the real ones.
+
+STALL_S = 0.05
+UPSTREAM_LOGGER = (
+    "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
+)
+
+
+class ScriptedSessions:
+    """Each remote session's results in order: (status, seconds it takes)."""
+
+    def __init__(self, scripts: dict[str, list[tuple[int, float]]]) -> None:
+        self.scripts = {session: list(steps) for session, steps in scripts.items()}
+        self.lock = threading.Lock()
+
+    def batch_transfer_sync_write(self, session: str, *args: object) -> int:
+        with self.lock:
+            status, seconds = self.scripts[session].pop(0)
+        time.sleep(seconds)
+        return status
+
+
+class OnUpstreamFailure(logging.Handler):
+    """Runs ``action`` in the sending thread right after upstream recorded a
+    failed transfer (its warning follows ``record_failed_transfer``), i.e.
+    before the plugin's retry loop has decided anything."""
+
+    def __init__(self, session: str, action: Callable[[], None]) -> None:
+        super().__init__(logging.WARNING)
+        self.session, self.action = session, action
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        # Without the handler's lock: the action lets another sender log.
+        self.emit(record)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith(f"Sending to {self.session} failed"):
+            self.action()
+
+
+@pytest.fixture
+def short_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
+    monkeypatch.setattr(connector, "MOONCAKE_TRANSFER_TIMEOUT_S", STALL_S)
+
+
+@contextlib.contextmanager
+def on_upstream_failure(session: str, action: Callable[[], None]) -> Iterator[None]:
+    handler = OnUpstreamFailure(session, action)
+    logging.getLogger(UPSTREAM_LOGGER).addHandler(handler)
+    try:
+        yield
+    finally:
+        logging.getLogger(UPSTREAM_LOGGER).removeHandler(handler)
+
+
+def sender(scripts: dict[str, list[tuple[int, float]]]) -> Any:
+    worker = object.__new__(connector.PDMooncakeConnectorWorker)
+    worker.engine = ScriptedSessions(scripts)
+    worker.xfer_stats = metrics.PDMooncakeStats()
+    # What shutdown() (run by __del__) touches.
+    worker.async_zmq_ctx = zmq.asyncio.Context()
+    worker.receiver_loop = asyncio.new_event_loop()
+    return worker
+
+
+def send(worker: Any, session: str) -> int:
+    return worker._send_blocks(session, [4096], [0], [4096])
+
+
+def scrape(worker: Any, scrapes: list[dict]) -> None:
+    """What the engine's step does: upstream's get_kv_connector_stats."""
+    stats = worker.get_kv_connector_stats()
+    scrapes.append({} if stats is None else {k: list(v) for k, v in stats.data.items()})
+
+
+def totals(scrapes: list[dict]) -> dict[str, int]:
+    return {
+        key: sum(len(s.get(key, [])) for s in scrapes)
+        for key in ("transfer_duration", "num_failed_transfers", metrics.RETRIED)
+    }
+
+
+@pytest.mark.usefixtures("short_stalls")
+def test_a_scrape_between_attempts_never_sees_the_retried_attempt_fail() -> None:
+    worker = sender({"a": [(-1, STALL_S), (0, 0.0)]})
+    scrapes: list[dict] = []
+    with on_upstream_failure("a", lambda: scrape(worker, scrapes)):
+        assert send(worker, "a") == 0
+    scrape(worker, scrapes)
+    assert totals(scrapes) == {
+        "transfer_duration": 1,
+        "num_failed_transfers": 0,
+        metrics.RETRIED: 1,
+    }
+
+
+@pytest.mark.usefixtures("short_stalls")
+def test_concurrent_senders_keep_their_own_outcome() -> None:
+    """Sender b fails for good while sender a is between its stalled attempt
+    and its retry: the scrape then shows b's failure, and only b's."""
+    worker = sender({"a": [(-1, STALL_S), (0, 0.0)], "b": [(-1, 0.0)]})
+    scrapes: list[dict] = []
+
+    def b_fails_then_scrape() -> None:
+        other = threading.Thread(target=send, args=(worker, "b"))
+        other.start()
+        other.join(timeout=10)
+        scrape(worker, scrapes)
+
+    with on_upstream_failure("a", b_fails_then_scrape):
+        assert send(worker, "a") == 0
+    scrape(worker, scrapes)
+    assert scrapes[0]["num_failed_transfers"] == [1]
+    assert totals(scrapes) == {
+        "transfer_duration": 1,
+        "num_failed_transfers": 1,
+        metrics.RETRIED: 1,
+    }
+
+
+@pytest.mark.usefixtures("short_stalls")
+def test_negative_control_the_scrape_catches_a_failure_recorded_then_taken_back() -> (
+    None
+):
+    """The detector: stats that record every attempt's failure and take it
+    back on retry (the pre-fix design) are caught by the scrape."""
+
+    class RecordThenPop(metrics.PDMooncakeStats):
+        def record_failed_transfer(self) -> None:
+            with self._lock:
+                self.data["num_failed_transfers"].append(1)
+
+        def record_retry(self) -> None:
+            with self._lock:
+                if self.data["num_failed_transfers"]:
+                    self.data["num_failed_transfers"].pop()
+                self.data[metrics.RETRIED].append(1)
+
+    worker = sender({"a": [(-1, STALL_S), (0, 0.0)]})
+    worker.xfer_stats = RecordThenPop()
+    scrapes: list[dict] = []
+    with on_upstream_failure("a", lambda: scrape(worker, scrapes)):
+        assert send(worker, "a") == 0
+    scrape(worker, scrapes)
+    assert totals(scrapes)["num_failed_transfers"] == 1

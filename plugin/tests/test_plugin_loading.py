@@ -7,11 +7,13 @@ registration really happened, in fresh interpreters.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
-import pytest
+import yaml
 
 import pd_mooncake
 
@@ -72,6 +74,37 @@ def test_builtin_name_is_not_shadowed() -> None:
     assert upstream.__module__.startswith("vllm.")
 
 
-@pytest.mark.parametrize("name", ["PDMooncakeConnector"])
-def test_connector_name_is_the_published_one(name: str) -> None:
-    assert name == pd_mooncake.CONNECTOR_NAME
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def published_names() -> dict[str, str]:
+    """The connector names users are told to use: both roles' vLLM configs
+    (compose, Kubernetes and the twin render these) and the README's example."""
+    names = {
+        f"configs/vllm/{role}.yaml": yaml.safe_load(
+            (ROOT / "configs" / "vllm" / f"{role}.yaml").read_text()
+        )["kv-transfer-config"]["kv_connector"]
+        for role in ("prefill", "decode")
+    }
+    readme = (ROOT / "README.md").read_text()
+    names["README.md"] = re.search(r'"kv_connector": "([^"]+)"', readme).group(1)
+    return names
+
+
+def test_connector_name_is_the_published_one() -> None:
+    """Every published name resolves, through vLLM's factory, to this
+    plugin's connector (a built-in or stale name would load another class)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    pd_mooncake.register()
+    resolved = {
+        where: (
+            f"{cls.__module__}.{cls.__name__}"
+            if (cls := KVConnectorFactory._registry.get(name, lambda: None)())
+            else f"{name}: not registered"
+        )
+        for where, name in published_names().items()
+    }
+    assert resolved == dict.fromkeys(
+        resolved, "pd_mooncake.connector.PDMooncakeConnector"
+    )

@@ -1,69 +1,167 @@
 """A real Mooncake transfer of mixed MLA + GQA blocks between two processes.
 
-The receiver process plays decode, this process plays prefill. Blocks are
-chosen by the connector's own addressing (byte-length regions, logical to
-kernel block ids); the copied blocks must be byte-identical and every other
-block of the receiver untouched.
+The receiver process plays decode, this process plays prefill. Each side is a
+PDMooncakeConnectorWorker that registered its own KV caches (upstream's
+registration, or the backport); decode's side sends the metadata upstream's
+decode sends (MooncakeXferMetadata, msgspec-encoded), and prefill's side turns
+it into descriptors with the worker's own addressing (region alignment and
+coalescing, logical to kernel block ids, block runs) and sends them with the
+worker's _send_blocks. Prefill's blocks and decode's have different ids: the
+copied blocks must land byte-identical where decode asked, every other block
+of the receiver untouched.
 """
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
+from types import SimpleNamespace
 from typing import Any
 
+import msgspec
+import pytest
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+    mooncake_connector as upstream,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+)
 
-from conftest import DRAFT_LAYER, MLA_LAYER, RecordingEngine
+from conftest import DRAFT_LAYER, MLA_LAYER, RecordingEngine, make_worker
 from pd_mooncake import registration
+from pd_mooncake.connector import PDMooncakeConnectorWorker
 
 LOGICAL_BLOCKS = 4
 RATIO = 2  # a 32-token logical block = two 16-token kernel blocks
 KERNEL_BLOCKS = LOGICAL_BLOCKS * RATIO
 SHAPES = {MLA_LAYER: (KERNEL_BLOCKS, 16, 96), DRAFT_LAYER: (KERNEL_BLOCKS, 16, 8, 64)}
 DEADLINE_S = 60.0
+# Prefill's logical blocks of the request and decode's for the same tokens.
+PREFILL_BLOCKS = [1, 3]
+DECODE_BLOCKS = [0, 2]
 
 
-def receiver(to_sender: Any, from_sender: Any) -> None:
-    """Decode side: register zeroed caches, wait, report what arrived."""
-    engine = RecordingEngine()
-    caches = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
-    plan = registration.plan_registration(caches, {MLA_LAYER}, KERNEL_BLOCKS)
-    engine.batch_register_memory(plan.ptrs, plan.lens)
-    to_sender.put(
-        (
-            engine.engine.get_rpc_port(),
-            [(r.base_addr, r.block_len) for r in plan.regions],
-        )
+def transfer_config() -> KVCacheConfig:
+    """The KV cache config of a 32-token logical block (MLA target, Eagle GQA
+    draft), served by 16-token kernel blocks."""
+    logical = 16 * RATIO
+    mla = MLAAttentionSpec(
+        block_size=logical, num_kv_heads=1, head_size=96, dtype=torch.float32
     )
+    gqa = FullAttentionSpec(
+        block_size=logical, num_kv_heads=4, head_size=64, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=LOGICAL_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([MLA_LAYER], mla),
+            KVCacheGroupSpec([DRAFT_LAYER], gqa, is_eagle_group=True),
+        ],
+    )
+
+
+def connector_worker(
+    caches: dict[str, torch.Tensor], *, consumer: bool, backport: bool
+) -> tuple[Any, RecordingEngine]:
+    """A PDMooncakeConnectorWorker (TP 1, PP 1) that registered ``caches``
+    with a real TransferEngine through its own register_kv_caches."""
+    engine = RecordingEngine()
+    worker = make_worker(
+        PDMooncakeConnectorWorker,
+        engine,
+        backport=backport,
+        ratio=RATIO,
+        consumer=consumer,
+    )
+    worker.kv_cache_config = transfer_config()
+    worker._layer_specs = {
+        name: group.kv_cache_spec
+        for group in worker.kv_cache_config.kv_cache_groups
+        for name in group.layer_names
+    }
+    worker.block_size = 16 * RATIO
+    worker.tp_size, worker.tp_rank, worker.pp_size = 1, 0, 1
+    worker.transfer_topo = SimpleNamespace(local_replicates_kv_cache=False)
+    worker.hostname = "127.0.0.1"
+    worker.rpc_port = engine.engine.get_rpc_port()
+    if not consumer:
+        # A producer's registration ends by starting its ZMQ sender listener:
+        # not needed to compute and send descriptors.
+        worker._start_sender_listener = lambda: None
+        worker.is_kv_consumer = True  # nor is a producer's shutdown (__del__)
+    worker.register_kv_caches(caches)
+    return worker, engine
+
+
+def receiver(to_sender: Any, from_sender: Any, backport: bool) -> None:
+    """Decode side: register zeroed caches, send the pull metadata upstream's
+    decode sends, wait, report what arrived."""
+    caches = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    worker, _engine = connector_worker(caches, consumer=True, backport=backport)
+    # As MooncakeConnectorWorker.receive_kv_from_single_worker builds it.
+    metadata = upstream.MooncakeXferMetadata(
+        remote_hostname=worker.hostname,
+        remote_port=worker.rpc_port,
+        remote_tp_size=worker.tp_size,
+        remote_tp_rank=worker.tp_rank,
+        remote_pp_size=worker.pp_size,
+        req_blocks={"d-req": ("xfer-1", [DECODE_BLOCKS, DECODE_BLOCKS])},
+        kv_caches_base_addr=worker.kv_caches_base_addr,
+        block_lens=worker.block_len_per_layer,
+        kv_block_lens=worker.kv_block_len_per_layer,
+        registered_layer_names=worker.registered_layer_names,
+        registered_layer_indices=worker.registered_layer_indices,
+        registered_group_indices=worker.registered_group_indices,
+        registered_shared_group_ids=[list(g) for g in worker.region_shared_groups],
+        registered_row_offsets=worker.region_row_offsets,
+    )
+    to_sender.put(msgspec.msgpack.encode(metadata))
     from_sender.get(timeout=DEADLINE_S)  # "done"
     # Plain bytes: tensors would travel as shared memory that dies with us.
     to_sender.put({name: cache.numpy().tobytes() for name, cache in caches.items()})
 
 
-def transfer(logical_ids: list[int], ratio_used: int) -> tuple[dict, dict, list[int]]:
+def transfer(
+    backport: bool, break_ratio: bool = False
+) -> tuple[dict, dict, list[int], list[int], Any]:
+    """Send PREFILL_BLOCKS into decode's DECODE_BLOCKS; returns (sent caches,
+    received caches, prefill kernel ids, decode kernel ids, the worker)."""
     ctx = mp.get_context("spawn")
     to_sender, from_sender = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=receiver, args=(to_sender, from_sender), daemon=True)
+    proc = ctx.Process(
+        target=receiver, args=(to_sender, from_sender, backport), daemon=True
+    )
     proc.start()
     try:
-        port, remote_regions = to_sender.get(timeout=DEADLINE_S)
-        engine = RecordingEngine()
+        meta = msgspec.msgpack.decode(
+            to_sender.get(timeout=DEADLINE_S), type=upstream.MooncakeXferMetadata
+        )
         generator = torch.Generator().manual_seed(1)
         caches = {n: torch.randn(s, generator=generator) for n, s in SHAPES.items()}
-        plan = registration.plan_registration(caches, {MLA_LAYER}, KERNEL_BLOCKS)
-        engine.batch_register_memory(plan.ptrs, plan.lens)
-        kernel_ids = registration.kernel_block_ids(logical_ids, ratio_used)
-        src, dst, lens = [], [], []
-        for local, (remote_base, remote_len) in zip(
-            plan.regions, remote_regions, strict=True
-        ):
-            assert local.block_len == remote_len
-            for block in kernel_ids:
-                src.append(local.base_addr + block * local.block_len)
-                dst.append(remote_base + block * remote_len)
-                lens.append(local.kv_block_len)
-        session = f"127.0.0.1:{port}"
-        assert engine.engine.batch_transfer_sync_write(session, src, dst, lens) == 0
+        worker, engine = connector_worker(caches, consumer=False, backport=backport)
+        if break_ratio:
+            # Negative control: logical block ids used as kernel block ids.
+            worker._physical_blocks_per_logical_kv_block = 1
+        local, remote, err = worker._prepare_transfer_regions(meta)
+        assert err is None, err
+        send_meta = upstream.SendBlockMeta(
+            p_req_id="p-req",
+            transfer_id="xfer-1",
+            local_block_ids=[PREFILL_BLOCKS, PREFILL_BLOCKS],
+            ready=asyncio.Event(),
+        )
+        src, dst, lens, err_reqs, err_msg = asyncio.run(
+            worker._build_transfer_params([("d-req", send_meta)], meta, local, remote)
+        )
+        assert (err_reqs, err_msg) == ([], None)
+        worker.engine = engine.engine  # the TransferEngine itself sends
+        session = f"{meta.remote_hostname}:{meta.remote_port}"
+        assert worker._send_blocks(session, src, dst, lens) == 0
         from_sender.put("done")
         received = {
             name: torch.frombuffer(bytearray(raw), dtype=torch.float32).view(
@@ -75,34 +173,55 @@ def transfer(logical_ids: list[int], ratio_used: int) -> tuple[dict, dict, list[
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
-    return caches, received, registration.kernel_block_ids(logical_ids, RATIO)
+    return (
+        caches,
+        received,
+        registration.kernel_block_ids(PREFILL_BLOCKS, RATIO),
+        registration.kernel_block_ids(DECODE_BLOCKS, RATIO),
+        worker,
+    )
 
 
-def mismatches(sent: dict, received: dict, expected_blocks: list[int]) -> list[str]:
+def mismatches(
+    sent: dict, received: dict, sent_blocks: list[int], landed_blocks: list[int]
+) -> list[str]:
+    """Decode's block landed_blocks[i] must hold prefill's sent_blocks[i];
+    every other block of decode's must still be zero."""
     problems = []
+    source = dict(zip(landed_blocks, sent_blocks, strict=True))
     for name in SHAPES:
         for block in range(KERNEL_BLOCKS):
             got = received[name][block]
-            if block in expected_blocks:
-                if not torch.equal(got, sent[name][block]):
-                    problems.append(f"{name} block {block}: not the sent bytes")
+            if block in source:
+                if not torch.equal(got, sent[name][source[block]]):
+                    problems.append(
+                        f"{name} block {block}: not prefill's block {source[block]}"
+                    )
             elif torch.count_nonzero(got):
                 problems.append(f"{name} block {block}: touched")
     return problems
 
 
-def test_blocks_arrive_byte_identical_and_nothing_else_is_touched() -> None:
-    sent, received, expected = transfer([1, 3], RATIO)
-    assert expected == [2, 3, 6, 7]
-    assert mismatches(sent, received, expected) == []
-    moved = sum(SHAPES_BYTES_PER_BLOCK.values()) * len(expected)
-    print(f"moved {moved} bytes in {len(expected) * len(SHAPES)} descriptors")
+@pytest.mark.parametrize("backport", [False, True], ids=["upstream", "backport"])
+def test_blocks_arrive_byte_identical_and_nothing_else_is_touched(
+    backport: bool,
+) -> None:
+    sent, received, sent_blocks, landed_blocks, worker = transfer(backport)
+    assert sent_blocks == [2, 3, 6, 7] and landed_blocks == [0, 1, 4, 5]
+    assert mismatches(sent, received, sent_blocks, landed_blocks) == []
+    moved = sum(SHAPES_BYTES_PER_BLOCK.values()) * len(sent_blocks)
+    stats = worker.xfer_stats.data
+    # The worker's own accounting of the send: one transfer of exactly the
+    # request's blocks in both regions.
+    assert stats["bytes_transferred"] == [moved]
+    print(f"moved {moved} bytes in {stats['num_descriptors']} descriptors")
 
 
 def test_wrong_block_ratio_is_caught() -> None:
-    """Negative control: addressing logical ids as kernel ids misplaces KV."""
-    sent, received, expected = transfer([1, 3], 1)
-    problems = mismatches(sent, received, expected)
+    """Negative control: the worker addressing logical ids as kernel ids
+    misplaces KV, and the check notices."""
+    sent, received, sent_blocks, landed_blocks, _ = transfer(False, break_ratio=True)
+    problems = mismatches(sent, received, sent_blocks, landed_blocks)
     assert problems, "the check did not notice misaddressed blocks"
 
 

@@ -23,6 +23,7 @@ from pd_mooncake import (
     cpu_support,
     extra_config,
     faults,
+    fixes,
     registration,
     reliability,
     tcp_limits,
@@ -41,9 +42,10 @@ logger = logging.getLogger("vllm.pd_mooncake")
 # How long the producer waits for its ZMQ listener before failing start-up.
 LISTENER_READY_TIMEOUT_S = 120.0
 # Prefill: a transfer that stalled until Mooncake's transfer timeout is sent
-# again until this many seconds have passed since its first attempt
-# (_send_blocks). Below decode's pull timeout (540 s) and prefill's abort
-# timeout (480 s) with upstream defaults.
+# again while another attempt (reliability.SendTimeouts.attempt_s) still ends
+# within this many seconds of the first one (_send_blocks). The hard bound is
+# decode's wait for the pull (reliability.SendTimeouts.may_start): no attempt
+# starts that could still be writing when decode gives up on the request.
 SEND_RETRY_BUDGET_S = 120.0
 # Mooncake's transfer timeout (MC_TRANSFER_TIMEOUT), its 0.3.x default.
 MOONCAKE_TRANSFER_TIMEOUT_S = 30.0
@@ -52,13 +54,23 @@ LIVENESS_INTERVAL_S = 2.0
 # kv_transfer_params key: the API request's transfer id, once a request has
 # its own (reliability.sibling_transfer_id).
 SIBLING_BASE = "pd_api_transfer_id"
+# Set on an upstream PullReqMeta once its KV has fully arrived: the count it
+# keeps (pull_tasks_count) is also 0 before a pull starts.
+LOADED = "pd_loaded"
+
+
+def _loaded(meta: Any) -> bool:
+    return bool(getattr(meta, LOADED, False))
+
+
+def _transfer_timeout() -> float:
+    limit = os.environ.get("MC_TRANSFER_TIMEOUT", "")
+    return float(limit) if limit.isdigit() else MOONCAKE_TRANSFER_TIMEOUT_S
 
 
 def _stalled(seconds: float) -> bool:
     """A failed transfer that lasted (nearly) Mooncake's whole timeout."""
-    limit = os.environ.get("MC_TRANSFER_TIMEOUT", "")
-    timeout = float(limit) if limit.isdigit() else MOONCAKE_TRANSFER_TIMEOUT_S
-    return seconds >= 0.9 * timeout
+    return seconds >= 0.9 * _transfer_timeout()
 
 
 def _request_ids_randomized() -> bool:
@@ -66,7 +78,7 @@ def _request_ids_randomized() -> bool:
     (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION; read once per process)."""
     from vllm import envs
 
-    return not getattr(envs, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", False)
+    return not envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
 
 
 @contextlib.contextmanager
@@ -95,14 +107,11 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         tcp_limits.raise_queue_limits(self.protocol)
         with cpu_support.cpu_device_index():
             super().__init__(vllm_config, engine_id, kv_cache_config)
-        self.backport = bool(extra.get("force_registration_backport")) or (
-            not registration.upstream_has_fix(upstream.MooncakeConnectorWorker)
-        )
+        # Upstream has PR 39596 (the plugin imports names only such releases
+        # have); the backport runs only when asked for, to compare with it.
+        self.backport = bool(extra.get("force_registration_backport"))
         self.xfer_stats = PDMooncakeStats()
         self.regions: list[registration.Region] = []
-        if not hasattr(self, "_physical_blocks_per_logical_kv_block"):
-            # vLLM < 0.20: no kernel block size sync upstream; do it here.
-            self._sync_kernel_block_size()
         offset = extra.get("side_channel_port_offset")
         if offset and not self.is_kv_consumer:
             self._use_fixed_side_channel(vllm_config, offset)
@@ -111,6 +120,21 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         self.liveness_interval_s = float(
             extra.get("prefill_liveness_interval_s", LIVENESS_INTERVAL_S)
         )
+        if not self.is_kv_consumer:
+            self._bound_sends(os.environ)
+
+    def _bound_sends(self, env: Any) -> None:
+        """Prefill: fail start-up on timeouts that let a send outlive decode's
+        wait, and give sends the pull's clock and per-decode threads."""
+        self.send_timeouts = reliability.SendTimeouts.from_env(env)
+        self.send_timeouts.check()
+        # Still empty: the listener starts in register_kv_caches.
+        self.sender_worker_queue = reliability.StampedQueue()
+        shared = self._sender_executor
+        self._sender_executor = reliability.SessionExecutor(
+            self.num_sender_workers, initializer=self._bind_sender_thread_device
+        )
+        shared.shutdown(wait=False)
 
     def _use_fixed_side_channel(self, vllm_config: Any, offset: int) -> None:
         """A restarted prefill comes back at the same side-channel address,
@@ -118,10 +142,10 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         port = reliability.side_channel_port(
             upstream.get_mooncake_bootstrap_addr(vllm_config)[1],
             offset,
-            dp_rank=getattr(self, "dp_rank", 0),
-            pp_rank=getattr(self, "pp_rank", 0),
+            dp_rank=self.dp_rank,
+            pp_rank=self.pp_rank,
             tp_rank=self.tp_rank,
-            pp_size=getattr(self, "pp_size", 1),
+            pp_size=self.pp_size,
             tp_size=self.tp_size,
         )
         # No socket exists yet: the listener starts in register_kv_caches.
@@ -129,16 +153,6 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         self.async_zmq_ctx = reliability.SideChannelContext()
         self.async_zmq_ctx.side_channel_port = port
         logger.info("PD Mooncake: side channel on fixed port %d", port)
-
-    def _sync_kernel_block_size(self) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.utils import (
-            get_current_attn_backends,
-        )
-
-        backends = get_current_attn_backends(self.vllm_config)
-        kernel, ratio = registration.kernel_block_size(self.block_size, backends, None)
-        self.kernel_block_size = kernel
-        self.blocks_per_logical = ratio
 
     # -- registration ---------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -152,34 +166,23 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         tcp_limits.warn_if_prompt_can_overflow(
             self.protocol,
             self.vllm_config.model_config.max_model_len,
-            getattr(self, "kernel_block_size", self.block_size),
+            # Upstream set block_size to the kernel block size.
+            self.block_size,
             len(self.regions),
         )
 
     def _mla_layers(self, kv_caches: dict[str, torch.Tensor]) -> set[str]:
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-        specs = getattr(self, "_layer_specs", None) or {}
-        if specs:
-            return {n for n in kv_caches if isinstance(specs.get(n), MLAAttentionSpec)}
-        # vLLM < 0.20 has no per-layer specs on the worker: use the groups.
-        return {
-            name
-            for group in self.kv_cache_config.kv_cache_groups
-            if isinstance(group.kv_cache_spec, MLAAttentionSpec)
-            for name in group.layer_names
-        }
+        specs = self._layer_specs
+        return {n for n in kv_caches if isinstance(specs.get(n), MLAAttentionSpec)}
 
     def _register_backport(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """PR 39596 registration for vLLM releases without it (see registration)."""
-        logical = self.kv_cache_config.num_blocks
-        if hasattr(self, "_physical_blocks_per_logical_kv_block"):
-            # vLLM >= 0.20 addresses kernel blocks itself: register per kernel block.
-            num_blocks = logical * self._physical_blocks_per_logical_kv_block
-        else:
-            # Older releases address logical blocks; a logical block is
-            # `ratio` adjacent kernel blocks, one contiguous span of bytes.
-            num_blocks = logical
+        # Upstream addresses kernel blocks: register per kernel block.
+        num_blocks = (
+            self.kv_cache_config.num_blocks * self._physical_blocks_per_logical_kv_block
+        )
         plan = registration.plan_registration(
             kv_caches, self._mla_layers(kv_caches), num_blocks
         )
@@ -203,23 +206,23 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         self.seen_base_addresses = list(plan.ptrs)
         self.block_len_per_layer = [r.block_len for r in regions]
         self.device_kv_caches = kv_caches
-        if hasattr(self, "kv_block_len_per_layer"):
-            # Attributes vLLM >= 0.20 reads when it aligns regions with a peer.
-            group_of = self.kv_cache_config.transfer_group_index_by_layer
-            self.kv_block_len_per_layer = [r.kv_block_len for r in regions]
-            self.registered_layer_names = [r.layer_name for r in regions]
-            self.registered_layer_indices = [
-                extract_layer_index(r.layer_name) for r in regions
-            ]
-            self.registered_group_indices = [group_of[r.layer_name] for r in regions]
-            self.region_shared_groups = [(g,) for g in self.registered_group_indices]
-            # Upstream treats a block-major MLA tensor as a packed row at
-            # offset 0 (eligible for coalescing) and a GQA one as no row (-1).
-            self.region_row_offsets = [
-                0 if r.layout == registration.MLA_LAYOUT else -1 for r in regions
-            ]
-            self.opaque_packed_storages = set()
-            self._prepared_transfer_regions.clear()
+        # What upstream reads when it aligns regions with a peer (the list
+        # of what is set here is fixes.BACKPORT_SETS).
+        group_of = self.kv_cache_config.transfer_group_index_by_layer
+        self.kv_block_len_per_layer = [r.kv_block_len for r in regions]
+        self.registered_layer_names = [r.layer_name for r in regions]
+        self.registered_layer_indices = [
+            extract_layer_index(r.layer_name) for r in regions
+        ]
+        self.registered_group_indices = [group_of[r.layer_name] for r in regions]
+        self.region_shared_groups = [(g,) for g in self.registered_group_indices]
+        # Upstream treats a block-major MLA tensor as a packed row at
+        # offset 0 (eligible for coalescing) and a GQA one as no row (-1).
+        self.region_row_offsets = [
+            0 if r.layout == registration.MLA_LAYOUT else -1 for r in regions
+        ]
+        self.opaque_packed_storages = set()
+        self._prepared_transfer_regions.clear()
 
     def _start_sender_listener(self) -> None:
         ready = threading.Event()
@@ -241,8 +244,8 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         self, kv_caches: dict[str, torch.Tensor]
     ) -> list[registration.Region]:
         mla = self._mla_layers(kv_caches)
-        kv_lens = getattr(self, "kv_block_len_per_layer", self.block_len_per_layer)
-        names = getattr(self, "registered_layer_names", None) or list(kv_caches)
+        kv_lens = self.kv_block_len_per_layer
+        names = self.registered_layer_names
         return [
             registration.Region(
                 name,
@@ -261,9 +264,8 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         ]
 
     def _region_map(self) -> RegionMap:
-        ratio = getattr(self, "_physical_blocks_per_logical_kv_block", 1)
-        num_blocks = getattr(self, "num_blocks", None) or (
-            self.kv_cache_config.num_blocks * ratio
+        num_blocks = (
+            self.kv_cache_config.num_blocks * self._physical_blocks_per_logical_kv_block
         )
         return RegionMap(
             [
@@ -280,7 +282,7 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         )
 
     def _log_region_report(self) -> None:
-        kernel = getattr(self, "kernel_block_size", self.block_size)
+        kernel = self.block_size  # upstream set it to the kernel block size
         path = "backport (PR 39596)" if self.backport else "upstream"
         logger.info(
             "PD Mooncake: %d KV regions registered, kernel block size %d, "
@@ -307,23 +309,49 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         dst_ptrs: list[int],
         lengths: list[int],
     ) -> int:
+        timeouts: reliability.SendTimeouts | None = getattr(self, "send_timeouts", None)
+        # Set by send_kv_to_decode for the pull this send answers; None when
+        # called outside one (then only the budget bounds retries).
+        clock = reliability.PULL_CLOCK.get()
+        attempt_s = timeouts.attempt_s if timeouts else _transfer_timeout()
+
+        def too_late(now: float) -> bool:
+            if clock is None or timeouts is None:
+                return False
+            return not timeouts.may_start(now, clock.last_message)
+
         # Lets the stats attribute these bytes to regions (see metrics).
         with sending_descriptors(src_ptrs, lengths):
             first = time.monotonic()
+            if too_late(first):
+                # Decode gives up before this attempt could end, and then
+                # gives the blocks to another request: do not write.
+                logger.warning(
+                    "PD Mooncake: send to %s not started: decode stops waiting "
+                    "for it in %.1fs, an attempt can take %.0fs",
+                    remote_session,
+                    timeouts.deadline(clock.last_message) - first,
+                    attempt_s,
+                )
+                self.xfer_stats.record_failed_transfer()
+                return -1
             while True:
                 began = time.monotonic()
                 ret = super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
-                if ret == 0 or not _stalled(time.monotonic() - began):
+                now = time.monotonic()
+                if ret == 0 or not _stalled(now - began):
                     return ret
-                if time.monotonic() - first >= SEND_RETRY_BUDGET_S:
+                # Checked before the next attempt, with its length: no
+                # attempt runs past the budget or decode's wait.
+                if now - first + attempt_s > SEND_RETRY_BUDGET_S or too_late(now):
                     return ret
                 # Mooncake's TCP transport (0.3.13) can leave a peer
                 # unanswering for a minute while the transfer times out
                 # (MC_TRANSFER_TIMEOUT), then serve again (seen in CI here,
                 # kvcache-ai/Mooncake#4209 family). Decode's blocks wait for
                 # this answer and the bytes are the same: sending again is
-                # safe. A fast failure (peer gone, queue full) is not a stall
-                # and is not retried.
+                # safe while decode still waits. A fast failure (peer gone,
+                # queue full) is not a stall and is not retried.
                 logger.warning(
                     "PD Mooncake: send to %s stalled until Mooncake's transfer "
                     "timeout (ret=%s); sending again",
@@ -339,7 +367,18 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
             meta.req_blocks, self.reqs_need_send, randomized=self.randomized_ids
         ):
             self.finished_sending_reqs.add(self.reqs_need_send.pop(key).p_req_id)
-        await super().send_kv_to_decode(identity, sock, meta)
+        # Decode's clock for this pull started when it arrived (StampedQueue),
+        # and restarts at every answer (StampingSocket): _send_blocks reads it.
+        arrival = reliability.PULL_ARRIVAL.get() or time.monotonic()
+        clock = reliability.PullClock(arrival)
+        token = reliability.PULL_CLOCK.set(clock)
+        try:
+            await super().send_kv_to_decode(
+                identity, reliability.StampingSocket(sock, clock), meta
+            )
+        finally:
+            reliability.PULL_CLOCK.reset(token)
+            reliability.PULL_ARRIVAL.set(None)
 
     async def record_send_reqs(self, metadata: Any) -> None:
         # Upstream pops "not processed" ids without a default (see reliability).
@@ -354,46 +393,75 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
     ) -> None:
         """Upstream's pull, failed early if its prefill is gone (reliability):
         upstream would wait ABORT_REQUEST_TIMEOUT + 60 s for an answer."""
-        interval = getattr(self, "liveness_interval_s", 0.0)
+        interval = self.liveness_interval_s
         upstream_pull = super().receive_kv_from_single_worker(worker_addr, pull_metas)
-        if not interval or not pull_metas or not hasattr(self, "_handle_failed_recv"):
+        if not interval or not pull_metas:
             await upstream_pull
             return
         bootstrap = next(iter(pull_metas.values())).remote_bootstrap_addr
         pull = asyncio.ensure_future(upstream_pull)
-        refusals = 0
+        gone_in_a_row = 0
+        wait_s = interval
         while True:
-            done, _ = await asyncio.wait({pull}, timeout=interval)
+            done, _ = await asyncio.wait({pull}, timeout=wait_s)
             if done:
                 pull.result()
                 return
-            gone = await reliability.refuses_connections(bootstrap)
-            refusals = refusals + 1 if gone else 0
-            if refusals >= reliability.REFUSALS_TO_FAIL:
+            probed = time.monotonic()
+            # A silent host takes the probe's whole timeout to answer; the
+            # next wait is shortened by it, so a silent prefill is failed as
+            # soon as a refusing one (REFUSALS_TO_FAIL probes, one interval
+            # apart).
+            reason = await reliability.prefill_gone(
+                bootstrap, timeout_s=min(1.0, interval / 2)
+            )
+            wait_s = max(0.0, interval - (time.monotonic() - probed))
+            gone_in_a_row = gone_in_a_row + 1 if reason else 0
+            if gone_in_a_row >= reliability.REFUSALS_TO_FAIL:
                 break
         pull.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pull
+        # Only what is still outstanding: a request an earlier CONTINUE
+        # completed is already loaded and reported finished.
         self._handle_failed_recv(
             pull_metas,
-            list(pull_metas),
-            f"prefill gone: its bootstrap server {bootstrap} refuses connections",
+            [r for r, m in pull_metas.items() if not _loaded(m)],
+            f"prefill gone: its bootstrap server {bootstrap} {reason}",
         )
+
+    def _handle_failed_recv(self, pull_metas: dict, req_ids: Any, reason: str) -> None:
+        # Upstream reports every id it is given (mooncake_connector.py
+        # _handle_failed_recv), and its pull hands it the whole pull on an
+        # error or a socket timeout, even after a CONTINUE completed some:
+        # their blocks would be reported invalid and they finished a second
+        # time, which fails or recomputes a correct load, or trips the
+        # scheduler's `assert req_id in self.requests` once it moved on.
+        outstanding = [r for r in req_ids if not _loaded(pull_metas.get(r))]
+        super()._handle_failed_recv(pull_metas, outstanding, reason)
 
     def process_pulling_result(self, response: Any, pull_metas: dict) -> None:
         if faults.active_fault() == faults.CORRUPT_RECEIVED_KV:
             self._corrupt(response, pull_metas)
         super().process_pulling_result(response, pull_metas)
+        for req_id in response.ok_reqs or ():
+            meta = pull_metas.get(req_id)
+            # Upstream reports a request finished when its last worker's part
+            # arrives (pull_tasks_count 0), unless it failed first.
+            if meta is not None and not meta.failed and meta.pull_tasks_count <= 0:
+                setattr(meta, LOADED, True)
 
     def _corrupt(self, response: Any, pull_metas: dict) -> None:
-        ratio = getattr(self, "_physical_blocks_per_logical_kv_block", 1)
+        ratio = self._physical_blocks_per_logical_kv_block
         for req_id in response.ok_reqs or []:
             meta = pull_metas.get(req_id)
             if meta is None:
                 continue
             logical = [b for group in meta.local_block_ids for b in group]
             hit = faults.corrupt_blocks(
-                self.device_kv_caches, registration.kernel_block_ids(logical, ratio)
+                self.device_kv_caches,
+                registration.kernel_block_ids(logical, ratio),
+                num_blocks=self.kv_cache_config.num_blocks * ratio,
             )
             logger.warning(
                 "TEST FAULT: corrupted %d received blocks of %s", hit, req_id
@@ -403,7 +471,14 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
 class PDMooncakeConnector(upstream.MooncakeConnector):
     def __init__(self, vllm_config: Any, role: Any, *args: Any, **kwargs: Any) -> None:
         # Fail at start-up on a bad extra config, in every role and process.
-        extra_config.validate(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        kv = vllm_config.kv_transfer_config
+        extra_config.validate(kv.kv_connector_extra_config)
+        # And on a vLLM the fixes this configuration relies on cannot attach to.
+        fixes.enforce(
+            kv.kv_connector_extra_config,
+            producer=kv.is_kv_producer,
+            consumer=kv.is_kv_consumer,
+        )
         with _upstream_builds(PDMooncakeConnectorWorker):
             super().__init__(vllm_config, role, *args, **kwargs)
         scheduler = self.connector_scheduler
@@ -431,9 +506,7 @@ class PDMooncakeConnector(upstream.MooncakeConnector):
 
     def on_new_request(self, request: Any) -> None:
         self._own_transfer_id(request)
-        parent = getattr(super(), "on_new_request", None)
-        if parent is not None:
-            parent(request)
+        super().on_new_request(request)
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int

@@ -21,6 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from pd_mooncake import faults
+
 REGION_BYTES = "region_bytes"
 
 # (metric suffix, stats key, help): one increment per list item.
@@ -38,12 +40,42 @@ COUNTERS = (
     ("expired_requests", "num_kv_expired_reqs", "Requests whose KV expired unsent."),
 )
 RETRIED = dict((suffix, key) for suffix, key, _ in COUNTERS)["retried_transfers"]
+# Where upstream publishes its own Mooncake metrics (vLLM 0.33,
+# ``MooncakePromMetrics``), the plugin publishes none of its copies: each of
+# these stats keys is then upstream's series (right), not ours (left).
+UPSTREAM_SERIES = {
+    "transfer_duration": (
+        "vllm:mooncake_transfers_total, vllm:mooncake_transfer_time_seconds",
+        "vllm:mooncake_xfer_time_seconds (_count: transfers)",
+    ),
+    "bytes_transferred": (
+        "vllm:mooncake_bytes_transferred_total, vllm:mooncake_transfer_size_bytes",
+        "vllm:mooncake_bytes_transferred (histogram; _sum: bytes)",
+    ),
+    "num_descriptors": (
+        "vllm:mooncake_descriptors_total",
+        "vllm:mooncake_num_descriptors (histogram; _sum: descriptors)",
+    ),
+    "num_failed_transfers": (
+        "vllm:mooncake_failed_transfers_total",
+        "vllm:mooncake_num_failed_transfers_total",
+    ),
+    "num_failed_recvs": (
+        "vllm:mooncake_failed_recvs_total",
+        "vllm:mooncake_num_failed_recvs_total",
+    ),
+    "num_kv_expired_reqs": (
+        "vllm:mooncake_expired_requests_total",
+        "vllm:mooncake_num_kv_expired_reqs_total",
+    ),
+}
 TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BYTES_BUCKETS = tuple(float(2**p) for p in range(12, 36, 2))
 
-# The sender thread sets the descriptors of the transfer it is about to
-# record, so the stats can attribute bytes to regions under the same lock
-# as the transfer itself (a scrape never sees one without the other).
+# The sender thread's current send (``sending_descriptors``): its
+# descriptors, so the stats attribute bytes to regions under the same lock as
+# the transfer itself (a scrape never sees one without the other), and the
+# failures of its attempts, held back until the send settles.
 _sending = threading.local()
 
 
@@ -106,16 +138,30 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
     def is_empty(self) -> bool:
         return super().is_empty() and not self.data.get(RETRIED)
 
+    def record_failed_transfer(self) -> None:
+        """Inside a send (``sending_descriptors``) the failure is held by this
+        thread's send, not recorded: the retry loop may still send again, and
+        a failure once in ``data`` can be scraped (``clone_and_reset``) before
+        it could be taken back, or another sender's be taken instead."""
+        send = getattr(_sending, "current", None)
+        if send is None:
+            super().record_failed_transfer()
+        else:
+            send.failures.append(self)
+
     def record_retry(self) -> None:
-        """The transfer upstream just counted as failed is being sent again:
-        count it as retried; failed counts only transfers that stay failed."""
+        """The attempt that just failed is being sent again: it counts as
+        retried, never as failed (failed counts transfers that stay failed)."""
+        send = getattr(_sending, "current", None)
+        if send is not None and self in send.failures:
+            # This thread's own last failed attempt, never another sender's.
+            del send.failures[len(send.failures) - 1 - send.failures[::-1].index(self)]
         with self._lock:
-            if self.data["num_failed_transfers"]:
-                self.data["num_failed_transfers"].pop()
             self.data[RETRIED].append(1)
 
     def record_transfer(self, duration_s: float, total_bytes: int, num_descs: int):
-        src = getattr(_sending, "descriptors", None)
+        send = getattr(_sending, "current", None)
+        src = send.descriptors if send is not None else None
         with self._lock:
             self.data["transfer_duration"].append(duration_s)
             self.data["bytes_transferred"].append(total_bytes)
@@ -137,20 +183,49 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
         return self
 
 
+@dataclass
+class _Send:
+    descriptors: tuple[list[int], list[int]]
+    # Stats whose failure record an attempt of this send asked for.
+    failures: list[PDMooncakeStats]
+
+
 class sending_descriptors:  # noqa: N801 - used as a context manager
+    """One send, every attempt of it, in the sending thread (``_send_blocks``).
+
+    A failed attempt's record is held until the send settles; on exit the
+    failures not taken back by ``record_retry`` (the last attempt's, when
+    the retries gave up or the failure was not a stall) are recorded.
+    """
+
     def __init__(self, src_ptrs: list[int], lengths: list[int]) -> None:
         self.value = (src_ptrs, lengths)
 
     def __enter__(self) -> None:
-        _sending.descriptors = self.value
+        _sending.current = _Send(self.value, [])
 
     def __exit__(self, *exc: object) -> None:
-        _sending.descriptors = None
+        send, _sending.current = _sending.current, None
+        for stats in send.failures:
+            MooncakeKVConnectorStats.record_failed_transfer(stats)
 
 
 class PDMooncakePromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from pd_mooncake import fixes
+
+        # Detected by feature: upstream's own metrics, if it has them, own
+        # every series they cover; ours add only what upstream lacks.
+        upstream_cls = fixes.upstream_prom_metrics()
+        self.upstream = (
+            None
+            if upstream_cls is None
+            else upstream_cls(
+                vllm_config, metric_types, labelnames, per_engine_labelvalues
+            )
+        )
+        covered = set() if self.upstream is None else set(UPSTREAM_SERIES)
         self.counters = {
             key: create_metric_per_engine(
                 self._counter_cls(
@@ -161,7 +236,19 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
                 per_engine_labelvalues,
             )
             for suffix, key, doc in COUNTERS
+            if key not in covered
         }
+        self.transfer_time = self.transfer_bytes = None
+        if self.upstream is None:
+            self._own_histograms(labelnames, per_engine_labelvalues)
+        self.region_bytes = self._counter_cls(
+            name="vllm:mooncake_region_bytes",
+            documentation="Bytes moved per registered KV region (layer, layout).",
+            labelnames=[*labelnames, "region", "layout"],
+        )
+        self._publish_kv_cache_info(vllm_config, labelnames, per_engine_labelvalues)
+
+    def _own_histograms(self, labelnames, per_engine_labelvalues) -> None:
         self.transfer_time = create_metric_per_engine(
             self._histogram_cls(
                 name="vllm:mooncake_transfer_time_seconds",
@@ -180,18 +267,14 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
             ),
             per_engine_labelvalues,
         )
-        self.region_bytes = self._counter_cls(
-            name="vllm:mooncake_region_bytes",
-            documentation="Bytes moved per registered KV region (layer, layout).",
-            labelnames=[*labelnames, "region", "layout"],
-        )
-        self._publish_kv_cache_info(vllm_config, labelnames, per_engine_labelvalues)
 
     def _publish_kv_cache_info(self, vllm_config, labelnames, per_engine_labelvalues):
         """What a client needs to predict a transfer's bytes and that vLLM's
         ``cache_config_info`` lacks: the KV element type once "auto" is
-        resolved to the model's dtype, and the tensor-parallel width (every
-        rank sends its own copy of the MLA latent)."""
+        resolved to the model's dtype, the tensor-parallel width (every rank
+        sends its own copy of the MLA latent), and which test-only fault
+        switch the server was started with (a dashboard can alert on one in
+        production; the e2e suite skips its negative controls without one)."""
         cache_dtype = vllm_config.cache_config.cache_dtype
         if cache_dtype == "auto":
             cache_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
@@ -199,11 +282,17 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
             name="vllm:mooncake_kv_cache_info",
             documentation="KV cache element type and tensor-parallel size.",
             multiprocess_mode="mostrecent",
-            labelnames=[*labelnames, "kv_cache_dtype", "tensor_parallel_size"],
+            labelnames=[
+                *labelnames,
+                "kv_cache_dtype",
+                "tensor_parallel_size",
+                "fault_switch",
+            ],
         )
         tp = str(vllm_config.parallel_config.tensor_parallel_size)
+        switch = faults.configured_switch()
         for labels in per_engine_labelvalues.values():
-            info.labels(*labels, cache_dtype, tp).set(1)
+            info.labels(*labels, cache_dtype, tp, switch).set(1)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for key, per_engine in self.counters.items():
@@ -212,10 +301,13 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(len(values))
             else:
                 per_engine[engine_idx].inc(sum(values))
-        for seconds in transfer_stats_data.get("transfer_duration", []):
-            self.transfer_time[engine_idx].observe(seconds)
-        for size in transfer_stats_data.get("bytes_transferred", []):
-            self.transfer_bytes[engine_idx].observe(size)
+        if self.upstream is not None:
+            self.upstream.observe(transfer_stats_data, engine_idx)
+        if self.transfer_time is not None and self.transfer_bytes is not None:
+            for seconds in transfer_stats_data.get("transfer_duration", []):
+                self.transfer_time[engine_idx].observe(seconds)
+            for size in transfer_stats_data.get("bytes_transferred", []):
+                self.transfer_bytes[engine_idx].observe(size)
         labels = self.per_engine_labelvalues[engine_idx]
         for name, layout, length in transfer_stats_data.get(REGION_BYTES, []):
             self.region_bytes.labels(*labels, name, layout).inc(length)

@@ -15,6 +15,10 @@ blocks are addressed with the wrong stride). The fix, reproduced here:
 * address blocks at kernel granularity: one logical block is
   ``logical // kernel`` physical blocks (a wrong ratio makes decode read
   empty blocks: all-zero KV, garbage text).
+
+Every vLLM the plugin runs on has the fix (it imports names only such
+releases have), so the backport runs only with ``force_registration_backport``
+(a test compares it with upstream's registration).
 """
 
 from __future__ import annotations

@@ -1,0 +1,428 @@
+"""Which of the plugin's fixes attach to the installed vLLM, checked at start-up.
+
+The connector overrides private upstream methods and relies on upstream
+building its worker through the module-global name ``MooncakeConnectorWorker``.
+A rename or a new parameter in a vLLM release would not fail loudly: an
+override that is never called, or a ``getattr`` default, silently turns a fix
+off. So every upstream name a fix overrides, calls or reads is listed here
+with the signature it needs, checked against upstream's *source* (``ast``,
+never imported: the contract test runs the same check on a release that is not
+installed), reported in one log line, and a fix the configuration relies on
+that cannot attach stops start-up unless ``PD_MOONCAKE_ALLOW_MISSING_FIXES``
+names it (or is ``all``).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("vllm.pd_mooncake")
+
+# Comma-separated fix names (or "all") allowed not to attach.
+ALLOW_ENV = "PD_MOONCAKE_ALLOW_MISSING_FIXES"
+
+WORKER = "MooncakeConnectorWorker"
+CONNECTOR = "MooncakeConnector"
+
+# What the registration backport (connector._apply_plan) sets; anything else
+# upstream's register_kv_caches stores would be missing on the backport path.
+BACKPORT_SETS = frozenset(
+    {
+        "num_blocks",
+        "kv_caches_base_addr",
+        "seen_base_addresses",
+        "block_len_per_layer",
+        "device_kv_caches",
+        "kv_block_len_per_layer",
+        "registered_layer_names",
+        "registered_layer_indices",
+        "registered_group_indices",
+        "region_shared_groups",
+        "region_row_offsets",
+        "opaque_packed_storages",
+    }
+)
+
+
+class FixNotAttachedError(RuntimeError):
+    """A fix the configuration relies on cannot attach to this vLLM."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """``owner.name`` is a method with exactly these parameters after self
+    (we call super() positionally), sync or async as we await it."""
+
+    owner: str
+    name: str
+    params: tuple[str, ...]
+    is_async: bool = False
+
+
+@dataclass(frozen=True)
+class Attr:
+    """``owner`` stores ``self.<name>`` somewhere (instance state we read),
+    or declares it as a class-level field (msgspec structs, dataclasses)."""
+
+    owner: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Calls:
+    """``owner.method`` calls ``callee`` (a dotted name as written in the
+    source): the hook our override or module swap relies on. ``absent``:
+    it must not (a call that changes what our override assumes)."""
+
+    owner: str
+    method: str
+    callee: str
+    absent: bool = False
+
+
+@dataclass(frozen=True)
+class StoresOnly:
+    """``owner.method`` stores no ``self`` attribute outside ``allowed``."""
+
+    owner: str
+    method: str
+    allowed: frozenset[str]
+
+
+Need = Method | Attr | Calls | StoresOnly
+
+
+@dataclass(frozen=True)
+class Fix:
+    name: str
+    needs: tuple[Need, ...]
+    # (extra config, is_producer, is_consumer) -> does this configuration rely on it.
+    relied_on: Callable[[Mapping[str, Any], bool, bool], bool] = field(
+        default=lambda extra, producer, consumer: True
+    )
+
+
+def _liveness_on(extra: Mapping[str, Any], producer: bool, consumer: bool) -> bool:
+    from pd_mooncake.connector import LIVENESS_INTERVAL_S
+
+    return consumer and bool(
+        extra.get("prefill_liveness_interval_s", LIVENESS_INTERVAL_S)
+    )
+
+
+def _fault_on(extra: Mapping[str, Any], producer: bool, consumer: bool) -> bool:
+    from pd_mooncake import faults
+
+    return faults.active_fault() is not None
+
+
+FIXES: tuple[Fix, ...] = (
+    Fix(
+        # Every worker-side fix: upstream must build our worker class.
+        "worker_class",
+        (
+            Method(WORKER, "__init__", ("vllm_config", "engine_id", "kv_cache_config")),
+            Method(CONNECTOR, "__init__", ("vllm_config", "role", "kv_cache_config")),
+            Calls(CONNECTOR, "__init__", WORKER),
+        ),
+    ),
+    Fix(
+        "registration_backport",
+        (
+            Method(WORKER, "register_kv_caches", ("kv_caches",)),
+            Method(WORKER, "_mooncake_sender_listener", ("ready_event",), True),
+            Attr(WORKER, "sender_loop"),
+            Attr(WORKER, "engine"),
+            Attr(WORKER, "_physical_blocks_per_logical_kv_block"),
+            Attr(WORKER, "_layer_specs"),
+            Attr(WORKER, "_prepared_transfer_regions"),
+            StoresOnly(WORKER, "register_kv_caches", BACKPORT_SETS),
+        ),
+        lambda extra, producer, consumer: bool(
+            extra.get("force_registration_backport")
+        ),
+    ),
+    Fix(
+        "send_retry",
+        (
+            Method(
+                WORKER,
+                "_send_blocks",
+                ("remote_session", "src_ptrs", "dst_ptrs", "lengths"),
+            ),
+            # metrics: a retried attempt's failure is held, not recorded.
+            Calls(WORKER, "_send_blocks", "self.xfer_stats.record_failed_transfer"),
+            Calls(WORKER, "_send_blocks", "self.engine.batch_transfer_sync_write"),
+            Attr(WORKER, "xfer_stats"),
+        ),
+        lambda extra, producer, consumer: producer,
+    ),
+    Fix(
+        # reliability.SendTimeouts / StampedQueue / SessionExecutor: no send
+        # attempt outlives decode's wait, one silent decode holds no thread a
+        # healthy decode needs.
+        "send_deadline",
+        (
+            Method(WORKER, "send_kv_to_decode", ("identity", "sock", "meta"), True),
+            Method(WORKER, "_bind_sender_thread_device", ()),
+            Attr(WORKER, "_sender_executor"),
+            Attr(WORKER, "sender_worker_queue"),
+            Attr(WORKER, "num_sender_workers"),
+            # Sends run in the executor with the session first (SessionExecutor
+            # keys its pools by it) and the pull's clock in the context.
+            Calls(WORKER, "send_kv_to_decode", "self.sender_loop.run_in_executor"),
+        ),
+        lambda extra, producer, consumer: producer,
+    ),
+    Fix(
+        "rejection_release",
+        (
+            Method(WORKER, "send_kv_to_decode", ("identity", "sock", "meta"), True),
+            Attr(WORKER, "reqs_need_send"),
+            Attr(WORKER, "finished_sending_reqs"),
+            Attr("MooncakeXferMetadata", "req_blocks"),
+            Attr("SendBlockMeta", "p_req_id"),
+            Attr("SendBlockMeta", "sending"),
+        ),
+        lambda extra, producer, consumer: producer,
+    ),
+    Fix(
+        "not_processed_guard",
+        (
+            Method(WORKER, "record_send_reqs", ("metadata",), True),
+            Attr("MooncakeConnectorMetadata", "reqs_not_processed"),
+        ),
+        lambda extra, producer, consumer: producer,
+    ),
+    Fix(
+        "dead_prefill_probe",
+        (
+            Method(
+                WORKER,
+                "receive_kv_from_single_worker",
+                ("worker_addr", "pull_metas"),
+                True,
+            ),
+            Method(WORKER, "_handle_failed_recv", ("pull_metas", "req_ids", "reason")),
+            # The probe fails the requests still in the pull_metas it passed
+            # upstream; a pull that settles a copy would be settled twice.
+            Calls(WORKER, "receive_kv_from_single_worker", "pull_metas.copy", True),
+            Attr("PullReqMeta", "remote_bootstrap_addr"),
+        ),
+        _liveness_on,
+    ),
+    Fix(
+        "fixed_side_channel",
+        (
+            Calls(WORKER, "_mooncake_sender_listener", "sock.bind_to_random_port"),
+            Attr(WORKER, "async_zmq_ctx"),
+            *(
+                Attr(WORKER, a)
+                for a in ("dp_rank", "pp_rank", "pp_size", "tp_rank", "tp_size")
+            ),
+            Method("", "get_mooncake_bootstrap_addr", ("vllm_config",)),
+        ),
+        lambda extra, producer, consumer: bool(extra.get("side_channel_port_offset")),
+    ),
+    Fix(
+        "sibling_transfer_ids",
+        (
+            Method(CONNECTOR, "on_new_request", ("request",)),
+            Method(
+                CONNECTOR,
+                "update_state_after_alloc",
+                ("request", "blocks", "num_external_tokens"),
+            ),
+            Method(CONNECTOR, "request_finished", ("request", "block_ids")),
+            Method(CONNECTOR, "request_finished_all_groups", ("request", "block_ids")),
+            Method(CONNECTOR, "update_connector_output", ("connector_output",)),
+            Attr(CONNECTOR, "connector_scheduler"),
+        ),
+    ),
+    Fix(
+        "received_kv_fault",
+        (
+            Method(WORKER, "process_pulling_result", ("response", "pull_metas")),
+            Attr(WORKER, "device_kv_caches"),
+            Attr("MooncakeXferResponse", "ok_reqs"),
+            Attr("PullReqMeta", "local_block_ids"),
+        ),
+        _fault_on,
+    ),
+)
+
+
+class SourceView:
+    """What a module's source declares, read with ``ast`` (not imported)."""
+
+    def __init__(self, source: str, *bases: str) -> None:
+        """``source``: the Mooncake connector module; ``bases``: modules of
+        its base classes (an inherited hook counts as present)."""
+        self.functions: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
+        self.classes: dict[str, ast.ClassDef] = {}
+        for text in (*bases, source):  # the connector module's names win
+            for node in ast.parse(text).body:
+                if isinstance(node, ast.ClassDef):
+                    self.classes[node.name] = node
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    self.functions[node.name] = node
+
+    def method(
+        self, owner: str, name: str
+    ) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+        if not owner:
+            return self.functions.get(name)
+        cls = self.classes.get(owner)
+        if cls is None:
+            return None
+        for node in cls.body:
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.name == name
+            ):
+                return node
+        for base in cls.bases:
+            found = (
+                self.method(ast.unparse(base), name)
+                if isinstance(base, ast.Name)
+                else None
+            )
+            if found is not None:
+                return found
+        return None
+
+    def has_attr(self, owner: str, name: str) -> bool:
+        cls = self.classes.get(owner)
+        if cls is None:
+            return False
+        for node in cls.body:  # class-level fields
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and node.target.id == name
+            ):
+                return True
+        return name in _self_stores(cls)
+
+    def problem(self, need: Need) -> str | None:
+        """Why ``need`` is not met by this source, or None."""
+        where = f"{need.owner}." if need.owner else ""
+        if isinstance(need, Attr):
+            if not self.has_attr(need.owner, need.name):
+                return f"{where}{need.name} is never set"
+            return None
+        name = need.name if isinstance(need, Method) else need.method
+        node = self.method(need.owner, name)
+        if node is None:
+            return f"{where}{name} is missing"
+        if isinstance(need, Method):
+            params = tuple(a.arg for a in [*node.args.posonlyargs, *node.args.args])
+            params = params[1:] if need.owner else params
+            is_async = isinstance(node, ast.AsyncFunctionDef)
+            if params != need.params or is_async != need.is_async:
+                got = f"{'async ' if is_async else ''}({', '.join(params)})"
+                want = f"{'async ' if need.is_async else ''}({', '.join(need.params)})"
+                return f"{where}{name} is {got}, the plugin needs {want}"
+            return None
+        if isinstance(need, Calls):
+            called = {
+                ast.unparse(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)
+            }
+            if (need.callee in called) == need.absent:
+                verb = "now calls" if need.absent else "no longer calls"
+                return f"{where}{name} {verb} {need.callee}"
+            return None
+        extra = sorted(_self_stores(node) - need.allowed)
+        if extra:
+            return f"{where}{name} now also sets {', '.join(extra)}"
+        return None
+
+
+def _self_stores(node: ast.AST) -> set[str]:
+    return {
+        n.attr
+        for n in ast.walk(node)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.ctx, ast.Store)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+    }
+
+
+@dataclass(frozen=True)
+class Report:
+    attached: tuple[str, ...]
+    missing: dict[str, list[str]]  # fix -> problems
+
+    def line(self) -> str:
+        text = f"PD Mooncake fixes attached: {', '.join(self.attached) or 'none'}"
+        if self.missing:
+            text += "; NOT attached: " + "; ".join(
+                f"{fix} ({', '.join(problems)})"
+                for fix, problems in self.missing.items()
+            )
+        return text
+
+
+def check(view: SourceView, fixes: tuple[Fix, ...] = FIXES) -> Report:
+    attached, missing = [], {}
+    for fix in fixes:
+        problems = [p for p in map(view.problem, fix.needs) if p is not None]
+        if problems:
+            missing[fix.name] = problems
+        else:
+            attached.append(fix.name)
+    return Report(tuple(attached), missing)
+
+
+@functools.cache
+def installed_view() -> SourceView:
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+        mooncake_connector,
+    )
+
+    return SourceView(inspect.getsource(mooncake_connector), inspect.getsource(base))
+
+
+def upstream_prom_metrics() -> type | None:
+    """Upstream's own Mooncake Prometheus metrics (vLLM 0.33 has them), by feature."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import stats
+
+    return getattr(stats, "MooncakePromMetrics", None)
+
+
+def enforce(
+    extra: Mapping[str, Any],
+    *,
+    producer: bool,
+    consumer: bool,
+    view: SourceView | None = None,
+) -> Report:
+    """Log which fixes attach; raise if one this configuration relies on does not."""
+    report = check(view or installed_view())
+    metrics_owner = "upstream" if upstream_prom_metrics() else "plugin"
+    logger.info("%s; transfer metrics: %s", report.line(), metrics_owner)
+    allowed = {a.strip() for a in os.environ.get(ALLOW_ENV, "").split(",") if a.strip()}
+    needed = {
+        fix.name: report.missing[fix.name]
+        for fix in FIXES
+        if fix.name in report.missing
+        and fix.relied_on(extra, producer, consumer)
+        and not ({fix.name, "all"} & allowed)
+    }
+    if needed:
+        details = "; ".join(f"{name}: {', '.join(p)}" for name, p in needed.items())
+        raise FixNotAttachedError(
+            f"PD Mooncake: this configuration relies on fixes that cannot attach to "
+            f"the installed vLLM ({details}). Use a vLLM release the plugin supports, "
+            f"or set {ALLOW_ENV}={','.join(needed)} to start without them."
+        )
+    return report

@@ -1,0 +1,438 @@
+"""Decode: a pull whose prefill goes away, against vLLM's real scheduler.
+
+A pull carries several requests; prefill answers CONTINUE for those that are
+ready, then dies. The liveness probe (reliability.prefill_gone) must fail
+only the requests still outstanding: one already loaded has been reported
+finished, and vLLM's scheduler may have run and freed it since.
+
+The scheduler is vLLM's own (``vllm.v1.core.sched.scheduler.Scheduler`` with
+this plugin's connector in the ``kv_consumer`` role, the tiny model's real
+config); the decode worker runs upstream's pull coroutine over real ZMQ on
+127.0.0.1. Prefill's side channel is scripted (real ZMQ, upstream's message
+types): a prefill that answers one CONTINUE and then dies mid-pull cannot be
+produced on demand with a real prefill engine in a unit test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+    mooncake_connector as upstream,
+)
+
+from pd_mooncake import reliability
+from pd_mooncake.connector import PDMooncakeConnectorWorker
+
+MODEL_DIRS = sorted(
+    Path.home().glob(".cache/pd-mooncake/models/pd-tiny-dsv2-eagle3-*/target")
+)
+PROMPT_TOKENS = 32  # two 16-token blocks per request
+DEADLINE_S = 20.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# -- vLLM's scheduler, decode role -----------------------------------------------
+
+
+def decode_scheduler(bootstrap_port: int) -> Any:
+    if not MODEL_DIRS:
+        pytest.skip("tiny model not built (python -m pdstack.tiny_model)")
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model = ModelConfig(
+        model=str(MODEL_DIRS[-1]),
+        max_model_len=512,
+        dtype="float32",
+        skip_tokenizer_init=True,
+    )
+    config = VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=16),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=2048,
+            max_num_seqs=16,
+            max_model_len=512,
+            is_encoder_decoder=False,
+        ),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="PDMooncakeConnector",
+            kv_role="kv_consumer",
+            kv_connector_extra_config={"mooncake_protocol": "tcp"},
+        ),
+    )
+    config.cache_config.num_gpu_blocks = 64
+    # One group: upstream then reports a failed load as invalid blocks.
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32
+    )
+    kv = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+    )
+    return Scheduler(config, kv, StructuredOutputManager(config), block_size=16)
+
+
+def remote_request(index: int, bootstrap_port: int, max_tokens: int) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "pd-prefill",
+        "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap_port}",
+        "transfer_id": f"xfer-{index}",
+    }
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": params},
+    )
+    return Request(
+        request_id=f"req-{index}",
+        prompt_token_ids=list(range(1, PROMPT_TOKENS + 1)),
+        sampling_params=sampling,
+        pooling_params=None,
+    )
+
+
+def step(scheduler: Any, worker: PDMooncakeConnectorWorker) -> Any:
+    """One engine step: schedule, "run" (one sampled token per scheduled
+    request), and hand the worker's transfer results back, as vLLM's model
+    runner does (kv_connector_model_runner_mixin)."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    out = scheduler.schedule()
+    ids = list(out.num_scheduled_tokens)
+    finished = worker.finished_recving_reqs
+    worker.finished_recving_reqs = set()
+    result = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[7] for _ in ids],
+        kv_connector_output=KVConnectorOutput(
+            finished_recving=finished or None,
+            invalid_block_ids=worker.get_block_ids_with_load_errors(),
+        ),
+    )
+    scheduler.update_from_output(out, result)
+    return out
+
+
+# -- decode worker: upstream's pull, over real ZMQ --------------------------------
+
+
+def decode_worker(interval: float) -> PDMooncakeConnectorWorker:
+    """The state upstream's receive_kv_from_single_worker and its failure
+    path read (the full constructor needs a running vLLM)."""
+    worker = object.__new__(PDMooncakeConnectorWorker)
+    worker.liveness_interval_s = interval
+    worker.xfer_stats = upstream.MooncakeKVConnectorStats()
+    worker._is_hma_required = False
+    worker._invalid_block_ids = queue.Queue()
+    worker._failed_recv_reqs = queue.Queue()
+    worker.finished_recving_reqs = set()
+    worker.hostname, worker.rpc_port = "127.0.0.1", 1
+    worker.tp_size, worker.tp_rank, worker.pp_size = 1, 0, 1
+    for name in (
+        "kv_caches_base_addr",
+        "block_len_per_layer",
+        "kv_block_len_per_layer",
+        "registered_layer_names",
+        "registered_layer_indices",
+        "registered_group_indices",
+        "region_shared_groups",
+        "region_row_offsets",
+    ):
+        setattr(worker, name, [])
+    worker.async_zmq_ctx = zmq.asyncio.Context()
+    worker._encoder = msgspec.msgpack.Encoder()
+    worker._xfer_resp_decoder = msgspec.msgpack.Decoder(upstream.MooncakeXferResponse)
+    return worker
+
+
+class ScriptedSideChannel:
+    """Prefill's side channel: answers one CONTINUE for ``ready`` requests,
+    then never again (the process died with the rest)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, ready: list[str]) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.ready = ready
+        self.answered = asyncio.Event()
+
+    async def serve(self) -> None:
+        identity, _ = await self.sock.recv_multipart()
+        response = upstream.MooncakeXferResponse(
+            status=upstream.MooncakeXferResponseStatus.CONTINUE, ok_reqs=self.ready
+        )
+        await self.sock.send_multipart(
+            [identity, msgspec.msgpack.Encoder().encode(response)]
+        )
+        self.answered.set()
+
+
+@pytest.fixture
+def bootstrap() -> Iterator[socket.socket]:
+    """Prefill's bootstrap port while prefill lives (a listening socket is all
+    the probe sees); the test closes it when prefill dies."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    yield listener
+    listener.close()
+
+
+async def until(predicate: Any, deadline_s: float, what: str) -> None:
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {deadline_s}s: {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_a_dead_prefill_fails_only_the_pulls_still_outstanding(
+    bootstrap: socket.socket,
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    port = bootstrap.getsockname()[1]
+    scheduler = decode_scheduler(port)
+    worker = decode_worker(interval=0.2)
+    # req-0 finishes at its first token, req-1 keeps running, req-2's KV never
+    # comes.
+    requests = [remote_request(i, port, max_tokens=t) for i, t in enumerate((1, 8, 8))]
+    for request in requests:
+        scheduler.add_request(request)
+
+    async def scenario() -> None:
+        out = step(scheduler, worker)
+        pulls = out.kv_connector_metadata.reqs_to_recv["pd-prefill"]
+        assert sorted(pulls) == ["req-0", "req-1", "req-2"]
+        for meta in pulls.values():
+            meta.pull_tasks_count = 1  # one prefill worker (upstream receive_kv)
+        prefill = ScriptedSideChannel(worker.async_zmq_ctx, ["req-0", "req-1"])
+        serving = asyncio.ensure_future(prefill.serve())
+        pull = asyncio.ensure_future(
+            worker.receive_kv_from_single_worker(
+                f"tcp://127.0.0.1:{prefill.port}", pulls
+            )
+        )
+        await asyncio.wait_for(prefill.answered.wait(), DEADLINE_S)
+        await until(
+            lambda: worker.finished_recving_reqs == {"req-0", "req-1"},
+            DEADLINE_S,
+            "CONTINUE processed",
+        )
+        # The scheduler moves on: req-0 and req-1 run; req-0 finishes.
+        for _ in range(3):
+            step(scheduler, worker)
+        assert "req-0" not in scheduler.requests
+        assert requests[1].status == RequestStatus.RUNNING
+        # Prefill dies: its bootstrap port refuses from now on.
+        bootstrap.close()
+        await asyncio.wait_for(pull, DEADLINE_S)
+        serving.cancel()
+        prefill.sock.close()
+        print(
+            f"after the refusals: finished {sorted(worker.finished_recving_reqs)}, "
+            f"invalid blocks {list(worker._invalid_block_ids.queue)}"
+        )
+        # The report reaches the scheduler; today's code trips
+        # `assert req_id in self.requests` here (req-0 is gone).
+        step(scheduler, worker)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 3 * DEADLINE_S))
+    finally:
+        worker.async_zmq_ctx.destroy(linger=0)
+    assert requests[2].status == RequestStatus.FINISHED_ERROR
+    assert requests[1].status == RequestStatus.RUNNING
+    assert requests[1].num_computed_tokens > PROMPT_TOKENS - 1
+    assert worker.xfer_stats.data["num_failed_recvs"] == [1]  # req-2 only
+
+
+# -- a gone prefill host, not only a refusing port ----------------------------
+
+
+def silent_port() -> tuple[socket.socket, list[socket.socket], int]:
+    """A loopback port whose kernel drops SYNs: a listener with a full
+    accept queue (backlog 0 holds one unaccepted connection). To a client
+    this is a host that is powered off or partitioned: no SYN-ACK, no RST."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    held = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.settimeout(0.2)
+        with contextlib.suppress(TimeoutError):
+            filler.connect(("127.0.0.1", port))
+        held.append(filler)
+    return listener, held, port
+
+
+async def never_answers(self: Any, worker_addr: str, pull_metas: dict) -> None:
+    await asyncio.sleep(3600)  # the side channel went with the host
+
+
+def pull_meta(bootstrap_url: str) -> dict[str, upstream.PullReqMeta]:
+    meta = upstream.PullReqMeta(
+        d_req_id="d-1",
+        transfer_id="xfer-1",
+        local_block_ids=[[4, 5]],
+        remote_engine_id="pd-prefill",
+        remote_bootstrap_addr=bootstrap_url,
+    )
+    meta.pull_tasks_count = 1
+    return {"d-1": meta}
+
+
+def timed_pull(
+    bootstrap_url: str, interval: float, limit_s: float, busy_loop_s: float = 0.0
+) -> tuple[bool, float, PDMooncakeConnectorWorker]:
+    """(failed within limit_s, seconds, worker). ``busy_loop_s``: block decode's
+    receiver loop that long once per interval (a loaded decode)."""
+    worker = decode_worker(interval)
+
+    async def hog() -> None:
+        while True:
+            await asyncio.sleep(interval / 2)
+            time.sleep(busy_loop_s)  # holds the loop, as a CPU-bound step would
+
+    async def go() -> tuple[bool, float]:
+        hogging = asyncio.ensure_future(hog()) if busy_loop_s else None
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(
+                worker.receive_kv_from_single_worker(
+                    "tcp://127.0.0.1:1", pull_meta(bootstrap_url)
+                ),
+                limit_s,
+            )
+        except asyncio.TimeoutError:
+            return False, time.monotonic() - start
+        finally:
+            if hogging:
+                hogging.cancel()
+        return True, time.monotonic() - start
+
+    try:
+        failed, took = asyncio.run(go())
+    finally:
+        worker.async_zmq_ctx.destroy(linger=0)
+    return failed, took, worker
+
+
+@pytest.fixture
+def pull_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        upstream.MooncakeConnectorWorker, "receive_kv_from_single_worker", never_answers
+    )
+
+
+INTERVAL_S = 0.5
+
+
+@pytest.mark.usefixtures("pull_never_answers")
+def test_a_silent_prefill_host_fails_the_pull_as_fast_as_a_refusing_one() -> None:
+    with socket.socket() as nothing:
+        nothing.bind(("127.0.0.1", 0))
+        refusing = f"http://127.0.0.1:{nothing.getsockname()[1]}"
+    failed, refused_s, _ = timed_pull(refusing, INTERVAL_S, limit_s=10)
+    assert failed
+    listener, held, port = silent_port()
+    try:
+        failed, silent_s, worker = timed_pull(
+            f"http://127.0.0.1:{port}", INTERVAL_S, limit_s=10
+        )
+    finally:
+        for sock in (*held, listener):
+            sock.close()
+    print(f"pull failed: refusing port {refused_s:.2f}s, silent host {silent_s:.2f}s")
+    assert failed, "a silent prefill host kept the pull waiting"
+    # Both: REFUSALS_TO_FAIL probes, one interval apart.
+    bound = reliability.REFUSALS_TO_FAIL * INTERVAL_S + 0.5
+    assert refused_s < bound and silent_s < bound
+    assert worker.finished_recving_reqs == {"d-1"}
+
+
+@pytest.mark.usefixtures("pull_never_answers")
+def test_negative_control_a_busy_prefill_is_not_gone() -> None:
+    """A prefill whose bootstrap server never accepts (its event loop busy)
+    still completes handshakes in its kernel: the pull keeps waiting."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(64)
+        failed, _, worker = timed_pull(
+            f"http://127.0.0.1:{busy.getsockname()[1]}", INTERVAL_S, limit_s=3
+        )
+    assert not failed
+    assert worker.finished_recving_reqs == set()
+
+
+@pytest.mark.usefixtures("pull_never_answers")
+def test_negative_control_a_busy_decode_loop_does_not_call_prefill_gone() -> None:
+    """Decode's receiver loop blocked past the probe's timeout while the
+    probe runs: the handshake completed in the kernel, the prefill is alive."""
+    with socket.socket() as alive:
+        alive.bind(("127.0.0.1", 0))
+        alive.listen(64)
+        failed, _, _ = timed_pull(
+            f"http://127.0.0.1:{alive.getsockname()[1]}",
+            INTERVAL_S,
+            limit_s=4,
+            busy_loop_s=1.5,
+        )
+    assert not failed
+
+
+def test_probe_reasons() -> None:
+    listener, held, port = silent_port()
+    try:
+        silent = asyncio.run(reliability.prefill_gone(f"http://127.0.0.1:{port}", 0.3))
+    finally:
+        for sock in (*held, listener):
+            sock.close()
+    assert silent is not None and silent.startswith("is silent")
+    with socket.socket() as nothing:
+        nothing.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{nothing.getsockname()[1]}"
+    assert asyncio.run(reliability.prefill_gone(closed)) == "refuses connections"
+    assert asyncio.run(reliability.prefill_gone("not a url")) is None
