@@ -98,3 +98,12 @@ def test_a_log_tail_leaves_out_health_and_metrics_polls(tmp_path: Path) -> None:
         'INFO:     127.0.0.1:1 - "POST /v1/completions HTTP/1.1" 500',
     ]
     assert wait.tail(tmp_path / "missing.log") == "(no log)"
+
+
+def test_poll_returns_the_first_value_done_and_reports_the_last_on_timeout() -> None:
+    from pdstack import wait
+
+    values = iter(range(100))
+    assert wait.poll(lambda: next(values), lambda v: v >= 3, 5.0, "three") == 3
+    with pytest.raises(wait.WaitError, match=r"waiting for never.*last seen: 'x'"):
+        wait.poll(lambda: "x", lambda v: False, 0.3, "never", interval_s=0.05)
