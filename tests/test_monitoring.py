@@ -1,0 +1,55 @@
+"""The monitoring profile's alert rules and the scrape config rendered for a
+stack given by URLs (e2e/test_dashboards.py runs them on a real Prometheus)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from pdstack import prometheus
+
+RULES = prometheus.ALERTS
+RULE_TESTS = RULES.parent / "alerts_test.yml"
+
+
+def test_alert_rules_are_valid_and_their_unit_tests_pass() -> None:
+    checked = prometheus.promtool("check", "rules", str(RULES))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 6 rules found" in checked.stdout
+    tested = prometheus.promtool("test", "rules", str(RULE_TESTS))
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_rule_tests_fail_when_a_rule_watches_a_misspelt_metric(tmp_path: Path) -> None:
+    """Negative control: the unit tests see what a rule really evaluates."""
+    shutil.copy(RULE_TESTS, tmp_path / RULE_TESTS.name)
+    broken = RULES.read_text().replace(
+        "vllm:mooncake_kv_checksum_mismatch_total", "vllm:mooncake_kv_checksum_mismatch"
+    )
+    (tmp_path / RULES.name).write_text(broken)
+    tested = prometheus.promtool("test", "rules", str(tmp_path / RULE_TESTS.name))
+    assert tested.returncode != 0
+    assert "PDMooncakeKVChecksumMismatch" in tested.stdout + tested.stderr
+
+
+def test_scrape_config_points_each_job_at_the_given_stack() -> None:
+    config = prometheus.scrape_config(
+        {"prefill": "127.0.0.1:1", "decode": "127.0.0.1:2", "router": "127.0.0.1:3"},
+        "1s",
+    )
+    jobs = {j["job_name"]: j["static_configs"] for j in config["scrape_configs"]}
+    assert jobs == {
+        "prefill": [{"targets": ["127.0.0.1:1"], "labels": {"transport": "tcp"}}],
+        "decode": [{"targets": ["127.0.0.1:2"], "labels": {"transport": "tcp"}}],
+        "router": [{"targets": ["127.0.0.1:3"], "labels": {"transport": "tcp"}}],
+    }
+    assert config["rule_files"] == [str(RULES)]
+    assert config["global"]["scrape_interval"] == "1s"
+
+
+def test_every_dashboard_panel_has_a_query() -> None:
+    import json
+
+    queries = prometheus.panel_queries(json.loads(prometheus.DASHBOARD.read_text()))
+    assert len(queries) >= 15
+    assert all("$__rate_interval" not in q for _, q in queries)
