@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+
+from pd_mooncake import metric_names as plugin
+from pdstack import wait
 
 # Decode: prompt tokens loaded from prefill rather than computed.
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
@@ -16,19 +18,20 @@ PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-# Prefill: this plugin's Mooncake transfer metrics.
-TRANSFERS = "vllm:mooncake_transfers_total"
-BYTES = "vllm:mooncake_bytes_transferred_total"
-FAILED_TRANSFERS = "vllm:mooncake_failed_transfers_total"
-FAILED_RECVS = "vllm:mooncake_failed_recvs_total"
-EXPIRED = "vllm:mooncake_expired_requests_total"
-REGION_BYTES = "vllm:mooncake_region_bytes_total"
-TRANSFER_SECONDS = "vllm:mooncake_transfer_time_seconds_sum"
+# Prefill: this plugin's Mooncake transfer metrics, as a scrape shows them.
+TRANSFERS = f"{plugin.TRANSFERS}_total"
+BYTES = f"{plugin.BYTES}_total"
+DESCRIPTORS = f"{plugin.DESCRIPTORS}_total"
+FAILED_TRANSFERS = f"{plugin.FAILED_TRANSFERS}_total"
+FAILED_RECVS = f"{plugin.FAILED_RECVS}_total"
+EXPIRED = f"{plugin.EXPIRED}_total"
+REGION_BYTES = f"{plugin.REGION_BYTES}_total"
+TRANSFER_SECONDS = f"{plugin.TRANSFER_TIME}_sum"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 # Info gauges (labels only): vLLM's cache configuration, and the plugin's
 # KV element type, tensor-parallel width and fault switch.
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
-KV_CACHE_INFO = "vllm:mooncake_kv_cache_info"
+KV_CACHE_INFO = plugin.KV_CACHE_INFO
 RUNNING = "vllm:num_requests_running"
 
 Labels = frozenset[tuple[str, str]]
@@ -91,9 +94,13 @@ def settle(
     Returns the last delta either way: the caller's assertions say what is
     missing, with the numbers.
     """
-    end = time.monotonic() + deadline_s
-    while True:
-        delta = scrape(base_url) - before
-        if done(delta) or time.monotonic() > end:
-            return delta
-        time.sleep(interval_s)
+    last: list[Snapshot] = []
+
+    def delta() -> Snapshot:
+        last[:] = [scrape(base_url) - before]
+        return last[0]
+
+    try:
+        return wait.poll(delta, done, deadline_s, f"{base_url}/metrics", interval_s)
+    except wait.WaitError:
+        return last[0]

@@ -22,24 +22,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from pd_mooncake import faults
+from pd_mooncake import metric_names as names
+from pd_mooncake.metric_names import COUNTERS
 
 REGION_BYTES = "region_bytes"
 
-# (metric suffix, stats key, help): one increment per list item.
-COUNTERS = (
-    ("transfers", "transfer_duration", "Successful Mooncake KV transfers."),
-    ("bytes_transferred", "bytes_transferred", "Bytes moved by Mooncake KV transfers."),
-    ("descriptors", "num_descriptors", "Descriptors in Mooncake KV transfers."),
-    ("failed_transfers", "num_failed_transfers", "Failed Mooncake KV transfers."),
-    (
-        "retried_transfers",
-        "num_retried_transfers",
-        "Mooncake KV transfers that failed and were sent again.",
-    ),
-    ("failed_recvs", "num_failed_recvs", "Failed Mooncake KV receives (decode)."),
-    ("expired_requests", "num_kv_expired_reqs", "Requests whose KV expired unsent."),
-)
-RETRIED = dict((suffix, key) for suffix, key, _ in COUNTERS)["retried_transfers"]
+RETRIED = dict((name, key) for name, key, _ in COUNTERS)[names.RETRIED_TRANSFERS]
 # Where upstream publishes its own Mooncake metrics (vLLM 0.33,
 # ``MooncakePromMetrics``), the plugin publishes none of its copies: each of
 # these stats keys is then upstream's series (right), not ours (left).
@@ -229,20 +217,20 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
         self.counters = {
             key: create_metric_per_engine(
                 self._counter_cls(
-                    name=f"vllm:mooncake_{suffix}",
+                    name=name,
                     documentation=doc,
                     labelnames=labelnames,
                 ),
                 per_engine_labelvalues,
             )
-            for suffix, key, doc in COUNTERS
+            for name, key, doc in COUNTERS
             if key not in covered
         }
         self.transfer_time = self.transfer_bytes = None
         if self.upstream is None:
             self._own_histograms(labelnames, per_engine_labelvalues)
         self.region_bytes = self._counter_cls(
-            name="vllm:mooncake_region_bytes",
+            name=names.REGION_BYTES,
             documentation="Bytes moved per registered KV region (layer, layout).",
             labelnames=[*labelnames, "region", "layout"],
         )
@@ -251,7 +239,7 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
     def _own_histograms(self, labelnames, per_engine_labelvalues) -> None:
         self.transfer_time = create_metric_per_engine(
             self._histogram_cls(
-                name="vllm:mooncake_transfer_time_seconds",
+                name=names.TRANSFER_TIME,
                 documentation="Duration of one Mooncake KV transfer.",
                 buckets=TIME_BUCKETS,
                 labelnames=labelnames,
@@ -260,7 +248,7 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
         )
         self.transfer_bytes = create_metric_per_engine(
             self._histogram_cls(
-                name="vllm:mooncake_transfer_size_bytes",
+                name=names.TRANSFER_SIZE,
                 documentation="Bytes moved by one Mooncake KV transfer.",
                 buckets=BYTES_BUCKETS,
                 labelnames=labelnames,
@@ -279,7 +267,7 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
         if cache_dtype == "auto":
             cache_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         info = self._gauge_cls(
-            name="vllm:mooncake_kv_cache_info",
+            name=names.KV_CACHE_INFO,
             documentation="KV cache element type and tensor-parallel size.",
             multiprocess_mode="mostrecent",
             labelnames=[

@@ -1,0 +1,38 @@
+"""The names of the series the plugin publishes on the prefill's /metrics.
+
+Apart from ``pd_mooncake.metrics`` (which needs vLLM) so that tools reading
+/metrics (pdstack, the bench, the e2e suite) import them without vLLM. These
+are the names registered with prometheus_client; a scrape shows a counter as
+``<name>_total`` and a histogram as ``<name>_sum``, ``_count`` and ``_bucket``.
+"""
+
+from __future__ import annotations
+
+TRANSFERS = "vllm:mooncake_transfers"
+BYTES = "vllm:mooncake_bytes_transferred"
+DESCRIPTORS = "vllm:mooncake_descriptors"
+FAILED_TRANSFERS = "vllm:mooncake_failed_transfers"
+RETRIED_TRANSFERS = "vllm:mooncake_retried_transfers"
+FAILED_RECVS = "vllm:mooncake_failed_recvs"
+EXPIRED = "vllm:mooncake_expired_requests"
+# Labels: region (the registered KV tensor), layout.
+REGION_BYTES = "vllm:mooncake_region_bytes"
+TRANSFER_TIME = "vllm:mooncake_transfer_time_seconds"
+TRANSFER_SIZE = "vllm:mooncake_transfer_size_bytes"
+# Labels only: kv_cache_dtype, tensor_parallel_size, fault_switch.
+KV_CACHE_INFO = "vllm:mooncake_kv_cache_info"
+
+# (counter, stats key, help): one increment per list item.
+COUNTERS = (
+    (TRANSFERS, "transfer_duration", "Successful Mooncake KV transfers."),
+    (BYTES, "bytes_transferred", "Bytes moved by Mooncake KV transfers."),
+    (DESCRIPTORS, "num_descriptors", "Descriptors in Mooncake KV transfers."),
+    (FAILED_TRANSFERS, "num_failed_transfers", "Failed Mooncake KV transfers."),
+    (
+        RETRIED_TRANSFERS,
+        "num_retried_transfers",
+        "Mooncake KV transfers that failed and were sent again.",
+    ),
+    (FAILED_RECVS, "num_failed_recvs", "Failed Mooncake KV receives (decode)."),
+    (EXPIRED, "num_kv_expired_reqs", "Requests whose KV expired unsent."),
+)
