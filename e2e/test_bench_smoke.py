@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from bench import report
+from bench import kv_transfer, report
 from bench.vllm_bench import Level, Plan
 from conftest import Stack
 
@@ -38,8 +38,11 @@ def model_path(url: str) -> str:
 
 def test_bench_sweep_measures_the_stack(stack: Stack, tmp_path: Path) -> None:
     profile = os.environ.get("PD_PROFILE", "tiny")
-    if profile != "tiny":
-        pytest.skip("the layout check models the tiny profile only")
+    # What bench.run writes before a sweep: the stack's own layout.
+    layout = kv_transfer.served_layout(stack.prefill, profile)
+    if layout is None:
+        pytest.skip(f"no model configs of profile {profile!r} on this host")
+    (tmp_path / "kv_layout.json").write_text(json.dumps(layout))
     raw = tmp_path / "raw"
     raw.mkdir()
     levels = tuple(
