@@ -616,6 +616,7 @@ def known_metrics() -> set[str]:
         vllm_dir / "v1" / "metrics" / "loggers.py",
         vllm_dir / "v1" / "spec_decode" / "metrics.py",
         plugin,
+        plugin.with_name("metric_names.py"),
     ):
         names.update(re.findall(r"\"(vllm:[a-z0-9_]+)\"", path.read_text()))
     for node in ast.walk(ast.parse(plugin.read_text())):
