@@ -228,9 +228,9 @@ def _progress(line: str) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
     outcome = yield
     report = outcome.get_result()
-    # The stack the test ran on: its module's own (the fault suite) or the
-    # session's.
-    run_dir = getattr(item.module, "RUN_DIR", E2E_RUN_DIR)
+    # The stack the test ran on: its own (the fault suite's) or the session's.
+    stacks = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, Stack)]
+    run_dir = next((s.run_dir for s in stacks if s.run_dir), E2E_RUN_DIR)
     if report.when == "call" and report.failed and run_dir.exists():
         # The servers' own words are usually the diagnosis.
         for log in sorted(run_dir.glob("*.log")):

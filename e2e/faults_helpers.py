@@ -1,5 +1,6 @@
-"""Helpers of the fault suite (e2e/test_faults.py): its own stack's ports and
-settings (configs/faults.yaml), timed requests, and the leak check.
+"""What the fault suite's modules (e2e/test_faults_*.py) share: its settings
+(configs/faults.yaml), timed requests, the leak check and the results table.
+The stack itself is faults_stack's fixture.
 
 "Idle" is what every fault case must come back to: on prefill and decode no
 request running or waiting and ``vllm:kv_cache_usage_perc`` at its value
@@ -13,77 +14,38 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import pytest
 import requests
 import yaml
 
-from conftest import Stack
+from conftest import E2E_RUN_DIR, Stack
 from pdstack import config, wait
 from pdstack import metrics as m
 
+T = TypeVar("T")
+
 FAULTS_CONFIG = config.CONFIGS / "faults.yaml"
+RUN_DIR = E2E_RUN_DIR.parent / "faults"
 KV_FETCH = "vllm:num_requests_kv_fetch_by_stage"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
-SUCCESS = "vllm:request_success_total"
-PORT_NAMES = (
-    "ROUTER_PORT",
-    "PREFILL_PORT",
-    "DECODE_PORT",
-    "BOOTSTRAP_PORT",
-    "ROUTER_METRICS_PORT",
-)
+GENERATED = "vllm:generation_tokens_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+# One row per case, in the order the cases ran: the table printed (and
+# written to RUN_DIR/results.json) when the fault stack goes down.
+RESULTS: list[dict[str, Any]] = []
 
 
 def settings() -> dict[str, Any]:
     data = yaml.safe_load(FAULTS_CONFIG.read_text())
     assert isinstance(data, dict), f"{FAULTS_CONFIG}: not a mapping"
     return data
-
-
-def fault_ports(base: config.Ports, offsets: Mapping[str, int]) -> dict[str, str]:
-    """The fault stack's port variables: the session twin's, moved."""
-    values = {
-        "ROUTER_PORT": base.router,
-        "PREFILL_PORT": base.prefill,
-        "DECODE_PORT": base.decode,
-        "BOOTSTRAP_PORT": base.bootstrap,
-        "ROUTER_METRICS_PORT": base.router_metrics,
-    }
-    return {name: str(values[name] + offsets.get(name, 0)) for name in PORT_NAMES}
-
-
-def router_flags(flags: Mapping[str, Any]) -> list[str]:
-    return config.render(flags, {})
-
-
-@contextlib.contextmanager
-def environment(values: Mapping[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``values`` for the duration (pdstack reads ports
-    from the environment)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def port_in_use(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.settimeout(0.5)
-        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 @dataclass
@@ -96,6 +58,46 @@ class FaultStack(Stack):
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
     router_extra: list[str] = field(default_factory=list)
     idle: dict[str, float] = field(default_factory=dict)
+
+
+def progress(line: str) -> None:
+    print(f"[faults twin] {line}", flush=True)
+
+
+# --- the results table ----------------------------------------------------------
+
+
+def record(case: str, sent: int, failed: int, terminal_s: float, leaked: Any) -> None:
+    """One row of the table: requests sent, unexpected outcomes, slowest
+    terminal answer, what was not back to idle."""
+    RESULTS.append(
+        {
+            "case": case,
+            "sent": sent,
+            "failed": failed,
+            "terminal_s": round(terminal_s, 2),
+            "leaks": leaked or 0,
+        }
+    )
+    print(
+        f"[faults] {case}: sent {sent}, unexpected {failed}, "
+        f"slowest terminal answer {terminal_s:.2f}s, leaks {leaked or 0}"
+    )
+
+
+def print_table() -> None:
+    if not RESULTS:
+        return
+    lines = ["| case | sent | unexpected | slowest terminal (s) | leaks |"]
+    lines.append("| --- | --- | --- | --- | --- |")
+    lines += [
+        f"| {r['case']} | {r['sent']} | {r['failed']} | {r['terminal_s']} | "
+        f"{r['leaks']} |"
+        for r in RESULTS
+    ]
+    print("\n[faults] results\n" + "\n".join(lines), flush=True)
+    if RUN_DIR.exists():
+        (RUN_DIR / "results.json").write_text(json.dumps(RESULTS, indent=1))
 
 
 # --- requests -----------------------------------------------------------------
@@ -186,19 +188,54 @@ def stream_then_leave(
     return answer.status_code, read, time.monotonic() - start
 
 
+def timed(pool: ThreadPoolExecutor, fn: Callable[[], Outcome]) -> Future:
+    """Submit; the result is (outcome, monotonic time it ended)."""
+    return pool.submit(lambda: (fn(), time.monotonic()))
+
+
+def require_owned(stack: FaultStack, why: str) -> None:
+    if not stack.owned:
+        pytest.skip(f"{why}: needs a stack this suite started (the CPU twin)")
+
+
+def references(stack: FaultStack, bodies: list[dict[str, Any]]) -> list[list[int]]:
+    """Colocated answers (prefill served whole), a few at a time."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = list(
+            pool.map(lambda b: post(stack.reference, b, timeout=300), bodies)
+        )
+    bad = [a for a in answers if a.status != 200 or a.token_ids is None]
+    assert not bad, f"reference failed: {bad[0] if bad else ''}"
+    return [a.token_ids or [] for a in answers]
+
+
+def serves_exactly(stack: FaultStack, salt: int) -> None:
+    """The stack still answers through the router, equal to the reference."""
+    body = greedy(stack.prompt(33, salt=salt), 8)
+    (expected,) = references(stack, [body])
+    got = post(stack.router, body, timeout=stack.bounds["request"])
+    assert got.status == 200, got.body[:300]
+    assert got.token_ids == expected
+
+
+def abort_timeout(stack: FaultStack) -> float:
+    return float(stack.role_env["prefill"]["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"])
+
+
 # --- state: idle and leaks ------------------------------------------------------
 
 
-def state(stack: Stack) -> dict[str, float]:
-    """What must return to idle after every case."""
-    p, d = m.scrape(stack.prefill), m.scrape(stack.decode)
-    return {
-        "prefill_kv_usage": p.total(m.KV_USAGE),
-        "prefill_requests": p.total(RUNNING) + p.total(WAITING),
-        "decode_kv_usage": d.total(m.KV_USAGE),
-        "decode_requests": d.total(RUNNING) + d.total(WAITING),
-        "decode_kv_fetch": d.total(KV_FETCH),
-    }
+def state(stack: Stack, roles: tuple[str, ...] = config.ROLES) -> dict[str, float]:
+    """What must return to idle after every case (of ``roles``: a dead
+    server has no /metrics)."""
+    now: dict[str, float] = {}
+    for role in roles:
+        snapshot = m.scrape(getattr(stack, role))
+        now[f"{role}_kv_usage"] = snapshot.total(m.KV_USAGE)
+        now[f"{role}_requests"] = snapshot.total(RUNNING) + snapshot.total(WAITING)
+        if role == "decode":
+            now["decode_kv_fetch"] = snapshot.total(KV_FETCH)
+    return now
 
 
 def idle_state(stack: Stack) -> dict[str, float]:
@@ -214,15 +251,38 @@ def leaks(now: Mapping[str, float], idle: Mapping[str, float]) -> dict[str, floa
     return {k: v for k, v in now.items() if abs(v - idle.get(k, 0.0)) > 1e-9}
 
 
-def wait_idle(stack: FaultStack, deadline_s: float) -> tuple[float, dict[str, float]]:
-    """Poll until nothing leaks or the deadline; returns (seconds, leaks)."""
+def poll_last(
+    probe: Callable[[], T],
+    done: Callable[[T], bool],
+    deadline_s: float,
+    what: str,
+    interval_s: float = 0.5,
+) -> tuple[float, T]:
+    """``wait.poll`` that hands back (seconds, last value) at the deadline
+    instead of raising: a case records what it saw before it asserts."""
     start = time.monotonic()
-    while True:
-        found = leaks(state(stack), stack.idle)
-        waited = time.monotonic() - start
-        if not found or waited > deadline_s:
-            return waited, found
-        time.sleep(0.5)
+    seen: list[T] = []
+
+    def keep() -> T:
+        seen.append(probe())
+        return seen[-1]
+
+    with contextlib.suppress(wait.WaitError):
+        wait.poll(keep, done, deadline_s, what, interval_s=interval_s)
+    return time.monotonic() - start, seen[-1]
+
+
+def wait_idle(
+    stack: FaultStack, deadline_s: float, roles: tuple[str, ...] = config.ROLES
+) -> tuple[float, dict[str, float]]:
+    """Poll until nothing of ``roles`` leaks or the deadline; returns
+    (seconds, leaks)."""
+    return poll_last(
+        lambda: leaks(state(stack, roles), stack.idle),
+        lambda found: not found,
+        deadline_s,
+        f"{' and '.join(roles)} idle",
+    )
 
 
 def counters(stack: Stack) -> dict[str, m.Snapshot]:
@@ -234,9 +294,3 @@ def engine_ids(bootstrap_url: str) -> list[str]:
     answer = requests.get(f"{bootstrap_url}/query", timeout=5)
     answer.raise_for_status()
     return sorted(entry["engine_id"] for entry in answer.json().values())
-
-
-def log_tail(stack: FaultStack, role: str, lines: int = 30) -> str:
-    if stack.run_dir is None:
-        return "(no log: stack given by URLs)"
-    return wait.tail(Path(stack.run_dir) / f"{role}.log", lines)

@@ -1,0 +1,126 @@
+"""The fault suite's own stack (configs/faults.yaml): started once per session
+for every fault module, which load this file as a plugin
+(``pytest_plugins = ["faults_stack"]``): a fixture imported into several
+modules would start one stack per module. At the end it prints the results
+table (faults_helpers.record).
+
+On the CPU twin it starts its own servers, on the session twin's ports moved
+by configs/faults.yaml's offsets, so it may kill and restart them without
+disturbing the session stack. Against a stack given by URLs it hands that
+stack over; the cases that would kill something skip.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from unittest import mock
+
+import pytest
+
+from faults_helpers import (
+    RUN_DIR,
+    FaultStack,
+    idle_state,
+    print_table,
+    progress,
+    settings,
+)
+from pdstack import config, twin
+
+# Development: PD_FAULTS_KEEP=1 leaves the fault stack running after the
+# session and reuses it on the next run (restarted roles stay restarted).
+KEEP_ENV = "PD_FAULTS_KEEP"
+PORT_NAMES = (
+    "ROUTER_PORT",
+    "PREFILL_PORT",
+    "DECODE_PORT",
+    "BOOTSTRAP_PORT",
+    "ROUTER_METRICS_PORT",
+)
+
+
+def fault_ports(base: config.Ports, offsets: Mapping[str, int]) -> dict[str, str]:
+    """The fault stack's port variables: the session twin's, moved."""
+    values = {
+        "ROUTER_PORT": base.router,
+        "PREFILL_PORT": base.prefill,
+        "DECODE_PORT": base.decode,
+        "BOOTSTRAP_PORT": base.bootstrap,
+        "ROUTER_METRICS_PORT": base.router_metrics,
+    }
+    return {name: str(values[name] + offsets.get(name, 0)) for name in PORT_NAMES}
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="session")
+def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
+    """The stack the fault cases break, with its idle state and bounds."""
+    cfg = settings()
+    bounds = {k: float(v) for k, v in cfg["bounds"].items()}
+    opt = request.config.getoption
+    if opt("router_url"):
+        given = FaultStack(
+            opt("router_url"),
+            opt("prefill_url"),
+            opt("decode_url"),
+            opt("reference_url") or opt("prefill_url"),
+            owned=False,
+            bounds=bounds,
+        )
+        given.idle = idle_state(given)
+        yield given
+        print_table()
+        return
+    env = fault_ports(config.ports(), cfg["port_offsets"])
+    # TODO(issue 15): take the side channel's port from configs/ports.env once
+    # it is stated there (prefill binds bootstrap + side_channel_port_offset).
+    side_channel = int(env["BOOTSTRAP_PORT"]) + 1
+    busy = [p for p in [*env.values(), str(side_channel)] if port_in_use(int(p))]
+    if busy and not os.environ.get(KEEP_ENV):
+        pytest.fail(f"fault stack ports in use: {busy} (configs/faults.yaml offsets)")
+    role_env = {
+        role: {k: str(v) for k, v in values.items()}
+        for role, values in cfg["env"].items()
+    }
+    router_extra = config.render(cfg["router"], {})
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    keep = os.environ.get(KEEP_ENV) == "1"
+    # pdstack reads the ports from the environment.
+    with mock.patch.dict(os.environ, env):
+        if keep and set(twin.running(RUN_DIR)) == {*config.ROLES, "router"}:
+            urls = twin.urls()  # reuse the kept stack (development only)
+        else:
+            urls = twin.up(
+                run_dir=RUN_DIR,
+                progress=progress,
+                role_env=role_env,
+                router_extra=router_extra,
+            )
+    stack = FaultStack(
+        urls.router,
+        urls.prefill,
+        urls.decode,
+        urls.prefill,
+        owned=True,
+        run_dir=RUN_DIR,
+        env=env,
+        bootstrap=f"http://{twin.HOST}:{urls.bootstrap_port}",
+        bounds=bounds,
+        role_env=role_env,
+        router_extra=router_extra,
+    )
+    try:
+        stack.idle = idle_state(stack)
+        yield stack
+    finally:
+        if not keep:
+            with mock.patch.dict(os.environ, env):
+                twin.down(RUN_DIR, progress=progress)
+        print_table()

@@ -1,0 +1,80 @@
+"""Fault suite, load: many concurrent requests of mixed lengths through the
+router, each exact, every prompt token loaded from prefill, nothing left.
+
+The suite's stack, bounds and results table: faults_helpers.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from faults_helpers import (
+    FaultStack,
+    counters,
+    greedy,
+    post,
+    record,
+    references,
+    wait_idle,
+)
+from pdstack import metrics as m
+
+pytest_plugins = ["faults_stack"]
+
+LOAD_LENGTHS = (5, 16, 17, 40, 64, 65, 130, 300)
+
+
+def test_load_64_concurrent_mixed_lengths(faults: FaultStack) -> None:
+    bodies = [
+        greedy(
+            faults.prompt(LOAD_LENGTHS[i % 8], salt=2000 + i),
+            4 + (i * 5) % 13,
+        )
+        for i in range(64)
+    ]
+    expected = references(faults, bodies)
+    before = counters(faults)
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        outcomes = list(
+            pool.map(
+                lambda b: post(faults.router, b, timeout=faults.bounds["request"]),
+                bodies,
+            )
+        )
+    took = time.monotonic() - start
+    failures = [o for o in outcomes if o.status != 200]
+    wrong = [
+        i
+        for i, (o, e) in enumerate(zip(outcomes, expected, strict=True))
+        if o.status == 200 and o.token_ids != e
+    ]
+    tokens = sum(len(b["prompt"]) for b in bodies)
+    d = m.settle(
+        faults.decode, before["decode"], lambda d: d.total(m.EXTERNAL_HITS) >= tokens
+    )
+    p = m.scrape(faults.prefill) - before["prefill"]
+    _, found = wait_idle(faults, faults.bounds["idle"])
+    record(
+        "load: 64 concurrent, 8 prompt lengths 5-300",
+        64,
+        len(failures) + len(wrong),
+        max(o.seconds for o in outcomes),
+        found,
+    )
+    print(
+        f"load: {took:.1f}s for 64, transfers {p.total(m.TRANSFERS):.0f} "
+        f"(failed {p.total(m.FAILED_TRANSFERS):.0f}), decode loaded "
+        f"{d.total(m.EXTERNAL_HITS):.0f}/{tokens} prompt tokens"
+    )
+    assert failures == [], failures[0]
+    assert wrong == []
+    assert len({tuple(e) for e in expected}) > 32, "outputs too alike to prove much"
+    # Mooncake batches the requests decode pulls together into one transfer.
+    assert 1 <= p.total(m.TRANSFERS) <= 64
+    assert p.total(m.FAILED_TRANSFERS) == 0
+    # Every prompt token was loaded from prefill; none recomputed on decode.
+    assert d.total(m.EXTERNAL_HITS) == tokens
+    assert d.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")["local_compute"] == 0
+    assert found == {}

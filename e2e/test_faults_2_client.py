@@ -1,0 +1,334 @@
+"""Fault suite, clients: one that leaves halfway (during the stream, during
+the prefill leg) and one without the router's API key.
+
+The suite's stack, bounds and results table: faults_helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from faults_helpers import (
+    GENERATED,
+    PROMPT_TOKENS,
+    RUN_DIR,
+    FaultStack,
+    counters,
+    greedy,
+    post,
+    progress,
+    record,
+    references,
+    require_owned,
+    serves_exactly,
+    settings,
+    stream_then_leave,
+    wait_idle,
+)
+from pdstack import metrics as m
+from pdstack import twin, wait
+
+pytest_plugins = ["faults_stack"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- a client that leaves ------------------------------------------------------------
+
+
+def test_client_disconnects_in_the_middle_of_a_stream(faults: FaultStack) -> None:
+    max_tokens = 1000
+    body = greedy(faults.prompt(40, salt=3000), max_tokens)
+    before = counters(faults)
+    status, read, secs = stream_then_leave(faults.router, body, chunks=3)
+    left_at = time.monotonic()
+    waited, found = wait_idle(faults, faults.bounds["idle"])
+    generated = (m.scrape(faults.decode) - before["decode"]).total(GENERATED)
+    record("client leaves a stream after 3 chunks", 1, int(status != 200), secs, found)
+    print(
+        f"stream: HTTP {status}, {read} chunks, left after {secs:.2f}s; decode "
+        f"idle {waited:.1f}s later, generated {generated:.0f}/{max_tokens} tokens"
+    )
+    assert (status, read) == (200, 3)
+    # Decode stopped: it did not generate the whole answer for nobody.
+    assert generated < max_tokens / 2
+    assert found == {}, f"{found} {time.monotonic() - left_at:.0f}s after leaving"
+    serves_exactly(faults, salt=3001)
+
+
+def _answered(snapshot: m.Snapshot) -> float:
+    """Completions a server has answered (its HTTP middleware's count)."""
+    return snapshot.total("http_requests_total", handler="/v1/completions")
+
+
+# Counted when a server's scheduler takes a request: its prompt's tokens.
+CONNECTOR_QUERIES = "vllm:external_prefix_cache_queries_total"
+
+
+def test_client_leaves_before_the_first_token(faults: FaultStack) -> None:
+    """Gone during the prefill leg: nothing may wait for a transfer.
+
+    The client sends a prompt prefill needs seconds for (3000 tokens: about
+    4 s on the twin's one thread) and closes its connection 1 s later. Read
+    right before the close: prefill has not answered the request and decode
+    has seen nothing (so the client left before the first token). Afterwards
+    prefill's scheduler has queried the connector for exactly this prompt's
+    tokens: the request reached the prefill leg (prefill aborts it when the
+    router hangs up, so its prompt-token counter does not count it). A client
+    that left before the router sent anything would leave prefill's counters
+    still, and the case fails instead of passing on a scenario it did not
+    exercise.
+    """
+    prompt = faults.prompt(3000, salt=3010)
+    body = json.dumps(greedy(prompt, 200)).encode()
+    host, port = faults.router.removeprefix("http://").rsplit(":", 1)
+    before = counters(faults)
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
+        time.sleep(1.0)
+        d_left = m.scrape(faults.decode) - before["decode"]
+        p_left = m.scrape(faults.prefill) - before["prefill"]
+    left_after = time.monotonic() - start
+    waited, found = wait_idle(faults, faults.bounds["idle"] + 30)
+    d = m.scrape(faults.decode) - before["decode"]
+    p = m.settle(
+        faults.prefill,
+        before["prefill"],
+        lambda p: p.total(CONNECTOR_QUERIES) >= len(prompt),
+    )
+    problems = {
+        "prefill had answered when the client left": _answered(p_left),
+        "decode had the request when the client left": _answered(d_left)
+        + d_left.total(CONNECTOR_QUERIES)
+        + d_left.total(GENERATED),
+        "prefill never had the request (the client left too early)": (
+            p.total(CONNECTOR_QUERIES) != len(prompt)
+        ),
+        "decode generated the whole answer for nobody": d.total(GENERATED) >= 200,
+        "not back to idle": bool(found),
+    }
+    problems = {k: v for k, v in problems.items() if v}
+    record(
+        "client leaves during the prefill leg",
+        1,
+        int(bool(problems)),
+        time.monotonic() - start,
+        found,
+    )
+    print(
+        f"left during prefill after {left_after:.2f}s: prefill's scheduler had "
+        f"{p.total(CONNECTOR_QUERIES):.0f}/{len(prompt)} prompt tokens, idle after "
+        f"{waited:.1f}s; decode saw {d.total(PROMPT_TOKENS):.0f} prompt tokens, "
+        f"generated {d.total(GENERATED):.0f}"
+    )
+    assert problems == {}, found
+    serves_exactly(faults, salt=3011)
+
+
+# --- security ----------------------------------------------------------------------
+
+
+def route_env(stack: FaultStack, key_file: Path) -> dict[str, str]:
+    offsets = settings()["api_key_router_offsets"]
+    router_port = int(stack.env["ROUTER_PORT"])
+    metrics_port = int(stack.env["ROUTER_METRICS_PORT"])
+    return {
+        **stack.env,
+        "PREFILL_URL": stack.prefill,
+        "DECODE_URL": stack.decode,
+        "ROUTER_HOST": twin.HOST,
+        "ROUTER_PORT": str(router_port + offsets["ROUTER_PORT"]),
+        "ROUTER_INTERNAL_PORT": str(router_port + offsets["ROUTER_INTERNAL_PORT"]),
+        "ROUTER_METRICS_PORT": str(metrics_port + offsets["ROUTER_METRICS_PORT"]),
+        "ROUTER_API_KEY_FILE": str(key_file),
+    }
+
+
+# TODO(issue 15): start and stop through pdstack's process supervisor once it
+# lands (one home for process trees); until then a process group of our own.
+def start_route(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pdstack.route", *args],
+        env={**os.environ, **env},
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def test_router_with_an_api_key_refuses_requests_without_it(
+    faults: FaultStack, tmp_path: Path
+) -> None:
+    require_owned(faults, "starts a router of its own next to prefill and decode")
+    key = "pd-" + os.urandom(12).hex()
+    key_file = tmp_path / "api_key"
+    key_file.write_text(key + "\n")
+    env = route_env(faults, key_file)
+    url = f"http://{twin.HOST}:{env['ROUTER_PORT']}"
+    inner = f"http://{twin.HOST}:{env['ROUTER_INTERNAL_PORT']}"
+    log = RUN_DIR / "router-api-key.log"
+    body = greedy(faults.prompt(24, salt=3500), 6)
+    (expected,) = references(faults, [body])
+    proc = start_route(env, log)
+    try:
+        wait.until_healthy("api-key router", url, 60, proc, log, progress)
+        wait.until_healthy("vllm-router behind it", inner, 60, None, log, progress)
+        outcomes = {
+            "no key": post(url, body, timeout=60),
+            "wrong key": post(url, body, headers={"Authorization": "Bearer no"}),
+            "key": post(url, body, headers={"Authorization": f"Bearer {key}"}),
+        }
+        health = requests.get(f"{url}/health", timeout=10).status_code
+        cmdlines = [
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            for pid in _group(proc.pid)
+        ]
+    finally:
+        stop(proc)
+    logged = log.read_text(errors="replace")
+    statuses = {name: o.status for name, o in outcomes.items()}
+    record(
+        "API key: none / wrong / right",
+        3,
+        int(statuses != {"no key": 401, "wrong key": 401, "key": 200}),
+        max(o.seconds for o in outcomes.values()),
+        0,
+    )
+    print(f"api key: {statuses}, /health {health}, {len(cmdlines)} processes")
+    assert statuses == {"no key": 401, "wrong key": 401, "key": 200}
+    assert outcomes["key"].token_ids == expected
+    assert health == 200
+    assert all(key not in line for line in cmdlines), "key on a command line"
+    assert key not in logged, "key in the router's log"
+
+
+def _group(pgid: int) -> list[int]:
+    out = subprocess.run(
+        ["pgrep", "-g", str(pgid)], capture_output=True, text=True, check=False
+    ).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def test_negative_control_vllm_router_alone_serves_without_the_key(
+    faults: FaultStack, tmp_path: Path
+) -> None:
+    """vllm-router 0.1.17 with --api-key (pdstack.route's backend: the key
+    handed over in-process) serves a client that has no key: the reason for
+    pdstack.route's proxy."""
+    require_owned(faults, "starts a router of its own next to prefill and decode")
+    key_file = tmp_path / "api_key"
+    key_file.write_text("pd-" + os.urandom(12).hex())
+    env = route_env(faults, key_file)
+    inner = f"http://{twin.HOST}:{env['ROUTER_INTERNAL_PORT']}"
+    log = RUN_DIR / "router-backend-only.log"
+    body = greedy(faults.prompt(12, salt=3510), 2)
+    (expected,) = references(faults, [body])
+    proc = start_route(env, log, "--backend")
+    try:
+        wait.until_healthy("vllm-router --api-key", inner, 60, proc, log, progress)
+        before = counters(faults)
+        got = post(inner, body, timeout=60)
+        d = m.settle(
+            faults.decode,
+            before["decode"],
+            lambda d: d.total(m.EXTERNAL_HITS) >= len(body["prompt"]),
+        )
+        p = m.scrape(faults.prefill) - before["prefill"]
+    finally:
+        stop(proc)
+    print(
+        f"vllm-router alone, no key presented: HTTP {got.status}, tokens "
+        f"{got.token_ids} (reference {expected}); prefill transfers "
+        f"{p.total(m.TRANSFERS):.0f}, decode loaded "
+        f"{d.total(m.EXTERNAL_HITS):.0f}/{len(body['prompt'])} prompt tokens"
+    )
+    # Served in full through P/D to a client that presented no key: the
+    # reference's tokens, the prompt's KV moved from prefill to decode.
+    assert got.token_ids == expected, got.body[:300]
+    assert p.total(m.TRANSFERS) >= 1
+    assert d.total(m.EXTERNAL_HITS) == len(body["prompt"])
+
+
+def test_compose_keeps_servers_private_non_root_and_secrets_out(
+    tmp_path: Path,
+) -> None:
+    """The rendered compose model (`docker compose config`, no engine needed):
+    only the router is published, servers run as non-root, and no secret
+    value reaches the rendered output. Reuses tests/test_compose.py and
+    tests/test_docker.py's checkers."""
+    sys.path.insert(0, str(ROOT))
+    from tests import test_compose as tc
+    from tests import test_docker as td
+
+    secrets = {}
+    for name in ("hf_token", "api_key", "grafana_admin_password"):
+        secrets[name] = f"{name}-{os.urandom(8).hex()}"
+        (tmp_path / name).write_text(secrets[name])
+    env = {
+        **tc.read_env_file(tc.DOTENV),
+        "HF_TOKEN_FILE": str(tmp_path / "hf_token"),
+        "API_KEY_FILE": str(tmp_path / "api_key"),
+        "GRAFANA_ADMIN_PASSWORD_FILE": str(tmp_path / "grafana_admin_password"),
+    }
+    problems: list[str] = []
+    rendered = ""
+    for profiles in tc.PROFILE_SETS:
+        result = tc.compose_cli(
+            "config", "--format", "json", profiles=profiles, env=env
+        )
+        assert result.returncode == 0, result.stderr
+        rendered += result.stdout
+        model = json.loads(result.stdout)
+        problems += tc.port_violations(model, tc.ports())
+        problems += tc.secret_violations(model)
+        for name, service in model["services"].items():
+            if str(service.get("user", "")).split(":")[0] in ("0", "root"):
+                problems.append(f"{name}: runs as root")
+            if service.get("privileged"):
+                problems.append(f"{name}: privileged")
+    default = json.loads(tc.compose_cli("config", "--format", "json", env=env).stdout)
+    published = {
+        n: s["ports"] for n, s in default["services"].items() if s.get("ports")
+    }
+    internal = {
+        tc.ports()[k] for k in ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT")
+    }
+    exposed = {
+        str(p.get("published", "")) for ports in published.values() for p in ports
+    }
+    images = [p for p in (ROOT / "docker").glob("*.Dockerfile")]
+    users = [v for f in images for v in td.user_violations(f.name, f.read_text())]
+    leaked = [name for name, value in secrets.items() if value in rendered]
+    print(
+        f"compose: published {published}; image users ok: {not users}; "
+        f"secrets in output: {leaked}"
+    )
+    assert problems == []
+    assert list(published) == ["router"]
+    assert not internal & exposed
+    assert users == []
+    assert leaked == []
