@@ -10,6 +10,8 @@ ARG PYTHON_IMAGE=python:3.12.12-slim-bookworm
 ARG VLLM_ROUTER_VERSION=0.1.17
 # pdstack.config reads configs/ with PyYAML; same version as the CPU venv.
 ARG PYYAML_VERSION=6.0.4
+# pdstack.config reads configs/ports.env with python-dotenv (requirements/cpu.txt).
+ARG PYTHON_DOTENV_VERSION=1.2.4
 ARG UV_VERSION=0.9.26
 
 # uv is bind-mounted into the install step only, never copied into the image.
@@ -19,6 +21,7 @@ FROM ${PYTHON_IMAGE}
 ARG PYTHON_IMAGE
 ARG VLLM_ROUTER_VERSION
 ARG PYYAML_VERSION
+ARG PYTHON_DOTENV_VERSION
 
 LABEL org.opencontainers.image.title="pd-mooncake-router" \
       org.opencontainers.image.description="vllm-router for P/D disaggregated vLLM with the Mooncake connector" \
@@ -42,7 +45,8 @@ RUN --mount=type=cache,target=/var/cache/apt,sharing=locked \
 RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=from=uv,source=/uv,target=/usr/local/bin/uv \
     UV_LINK_MODE=copy uv pip install --system \
-        "vllm-router==${VLLM_ROUTER_VERSION}" "pyyaml==${PYYAML_VERSION}"
+        "vllm-router==${VLLM_ROUTER_VERSION}" "pyyaml==${PYYAML_VERSION}" \
+        "python-dotenv==${PYTHON_DOTENV_VERSION}"
 
 COPY pdstack /opt/pd/pdstack
 COPY configs /opt/pd/configs

@@ -71,8 +71,8 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=bind,source=plugin,target=/src/plugin,rw \
     UV_LINK_MODE=copy uv pip install --system --no-deps /src/plugin
 
-# pdstack renders the vLLM command line from configs/ (it needs PyYAML and
-# requests, both in the vLLM image).
+# pdstack renders the vLLM command line from configs/ (it needs PyYAML,
+# requests and python-dotenv, all in the vLLM image).
 COPY pdstack /opt/pd/pdstack
 COPY configs /opt/pd/configs
 COPY --chmod=0755 docker/serving-entrypoint.sh /usr/local/bin/serving-entrypoint

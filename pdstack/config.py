@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from dotenv import dotenv_values
 
 CONFIGS = Path(
     os.environ.get("PD_CONFIGS", Path(__file__).resolve().parent.parent / "configs")
@@ -36,16 +37,20 @@ class Ports:
     bootstrap: int
     router_metrics: int
 
+    @property
+    def side_channel(self) -> int:
+        """Where the prefill's ZMQ side channel listens (its first worker):
+        the bootstrap port plus configs/vllm/prefill.yaml's offset."""
+        flags = _load(CONFIGS / "vllm" / "prefill.yaml")["kv-transfer-config"]
+        offset = flags["kv_connector_extra_config"]["side_channel_port_offset"]
+        return self.bootstrap + int(offset)
+
 
 def read_env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines; comments and blank lines skipped."""
-    values: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    return values
+    """KEY=VALUE lines with the quoting and ``${VAR}`` rules compose follows
+    (python-dotenv); a bare KEY reads as empty."""
+    with path.open() as stream:
+        return {key: value or "" for key, value in dotenv_values(stream=stream).items()}
 
 
 def ports(env: Mapping[str, str] | None = None) -> Ports:

@@ -114,3 +114,26 @@ def test_a_profile_target_section_must_name_a_known_target(tmp_path, monkeypatch
     monkeypatch.setattr(config, "CONFIGS", tmp_path / "configs")
     with pytest.raises(config.ConfigError, match="unknown target 'tpu'"):
         config.vllm_flags("prefill", "bad", "gpu")
+
+
+def test_env_files_follow_compose_quoting(tmp_path) -> None:
+    env = tmp_path / "x.env"
+    env.write_text(
+        "# comment\nA=1\nB='two words'\nC=\"x # not a comment\"\nD=3 # comment\nE=\n"
+    )
+    assert config.read_env_file(env) == {
+        "A": "1",
+        "B": "two words",
+        "C": "x # not a comment",
+        "D": "3",
+        "E": "",
+    }
+    with pytest.raises(FileNotFoundError):
+        config.read_env_file(tmp_path / "missing.env")
+
+
+def test_the_side_channel_port_sits_above_the_bootstrap_port() -> None:
+    """Where prefill's ZMQ side channel listens (configs/vllm/prefill.yaml's
+    side_channel_port_offset); it moves with BOOTSTRAP_PORT."""
+    assert config.ports({}).side_channel == 8999
+    assert config.ports({"BOOTSTRAP_PORT": "8988"}).side_channel == 8989
