@@ -26,6 +26,10 @@ from pdstack.config import read_env_file
 SECRET_NAME = re.compile(r"TOKEN|API_KEY|PASSWORD|SECRET|CREDENTIAL", re.IGNORECASE)
 SECRET_REF_SUFFIXES = ("_FILE", "_PATH")
 HEALTH = "/health"
+# Compose's P/D services of each transport (prefill, decode, router): the
+# default TCP trio and the `rdma` profile's.
+TCP_TRIO = ("prefill", "decode", "router")
+RDMA_TRIO = ("prefill-rdma", "decode-rdma", "router-rdma")
 
 
 def ports() -> dict[str, str]:

@@ -26,8 +26,10 @@ from pdstack import config, serve
 from pdstack.compose import COMPOSE, DOTENV, PORTS_ENV, ROOT
 from pdstack.config import read_env_file
 from tests.manifests import (
+    RDMA_TRIO,
     SECRET_NAME,
     SECRET_REF_SUFFIXES,
+    TCP_TRIO,
     compose_cli,
     compose_config,
     environment,
@@ -44,11 +46,7 @@ E2E_OVERRIDE = ROOT / "docker" / "compose.e2e.yaml"
 # Run-time state (gitignored): a bind mount from here may not exist yet.
 RUNTIME = ROOT / "run"
 
-# The P/D services of each transport: (prefill, decode, router).
-TRIOS = (
-    ("prefill", "decode", "router"),
-    ("prefill-rdma", "decode-rdma", "router-rdma"),
-)
+TRIOS = (TCP_TRIO, RDMA_TRIO)
 SERVERS = {
     name: role
     for trio in TRIOS
@@ -282,7 +280,7 @@ def test_naming_the_rdma_router_runs_exactly_the_rdma_trio() -> None:
     # `docker compose up router-rdma`: its profile is enabled by naming it.
     result = compose_cli("config", "--format", "json", "router-rdma")
     assert result.returncode == 0, result.stderr
-    assert set(json.loads(result.stdout)["services"]) == set(TRIOS[1])
+    assert set(json.loads(result.stdout)["services"]) == set(RDMA_TRIO)
 
 
 def test_only_the_router_port_is_published_by_default() -> None:

@@ -34,7 +34,9 @@ from pdstack import config, route, serve
 from pdstack.compose import PORTS_ENV, ROOT
 from tests.manifests import (
     HEALTH,
+    RDMA_TRIO,
     SECRET_NAME,
+    TCP_TRIO,
     compose_config,
     environment,
     port_numbers_in,
@@ -63,20 +65,22 @@ class Twin:
 
     profile: str
     compose_profiles: tuple[str, ...]
-    servers: Mapping[str, str]  # role -> compose service
-    router: str
+    trio: tuple[str, str, str]  # compose's prefill, decode, router
+
+    @property
+    def servers(self) -> dict[str, str]:  # role -> compose service
+        return dict(zip(config.ROLES, self.trio[:2], strict=True))
+
+    @property
+    def router(self) -> str:
+        return self.trio[2]
 
 
 # Each overlay and its compose counterpart: tiny is the default trio (TCP);
 # kimi-k2.5 is the `rdma` trio with PD_PROFILE=kimi-k2.5.
 OVERLAYS = {
-    "tiny": Twin("tiny", (), {"prefill": "prefill", "decode": "decode"}, "router"),
-    "kimi-k2.5": Twin(
-        "kimi-k2.5",
-        ("rdma",),
-        {"prefill": "prefill-rdma", "decode": "decode-rdma"},
-        "router-rdma",
-    ),
+    "tiny": Twin("tiny", (), TCP_TRIO),
+    "kimi-k2.5": Twin("kimi-k2.5", ("rdma",), RDMA_TRIO),
 }
 each_overlay = pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 # Workload and container names in the manifests. Workloads are named after
