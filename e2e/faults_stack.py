@@ -79,10 +79,9 @@ def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
         print_table()
         return
     env = fault_ports(config.ports(), cfg["port_offsets"])
-    # TODO(issue 15): take the side channel's port from configs/ports.env once
-    # it is stated there (prefill binds bootstrap + side_channel_port_offset).
-    side_channel = int(env["BOOTSTRAP_PORT"]) + 1
-    busy = [p for p in [*env.values(), str(side_channel)] if port_in_use(int(p))]
+    # Prefill's side channel listens beside its bootstrap port: free it too.
+    wanted = [*map(int, env.values()), config.ports(env).side_channel]
+    busy = [port for port in wanted if port_in_use(port)]
     if busy and not os.environ.get(KEEP_ENV):
         pytest.fail(f"fault stack ports in use: {busy} (configs/faults.yaml offsets)")
     role_env = {
