@@ -32,18 +32,8 @@ import yaml
 
 from pdstack import config, route, serve
 from pdstack.compose import PORTS_ENV, ROOT
-from tests.manifests import (
-    HEALTH,
-    RDMA_TRIO,
-    SECRET_NAME,
-    TCP_TRIO,
-    compose_config,
-    environment,
-    port_numbers_in,
-    ports,
-    secret_env_violations,
-    tool,
-)
+from tests import manifests
+from tests.manifests import HEALTH, environment, ports
 
 K8S = ROOT / "k8s"
 BASE = K8S / "base"
@@ -79,8 +69,8 @@ class Twin:
 # Each overlay and its compose counterpart: tiny is the default trio (TCP);
 # kimi-k2.5 is the `rdma` trio with PD_PROFILE=kimi-k2.5.
 OVERLAYS = {
-    "tiny": Twin("tiny", (), TCP_TRIO),
-    "kimi-k2.5": Twin("kimi-k2.5", ("rdma",), RDMA_TRIO),
+    "tiny": Twin("tiny", (), manifests.TCP_TRIO),
+    "kimi-k2.5": Twin("kimi-k2.5", ("rdma",), manifests.RDMA_TRIO),
 }
 each_overlay = pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 # Workload and container names in the manifests. Workloads are named after
@@ -98,7 +88,7 @@ ADDED_CAPABILITIES = {"prefill": {"IPC_LOCK"}, "decode": {"IPC_LOCK"}, ROUTER: s
 
 def kustomize(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(tool("kubectl")), "kustomize", str(path)],
+        [str(manifests.tool("kubectl")), "kustomize", str(path)],
         capture_output=True,
         text=True,
         check=False,
@@ -194,7 +184,9 @@ def container_env(objects: list[Object], container: Object) -> dict[str, str]:
 def compose_services(twin: Twin) -> dict[str, Object]:
     # .env and configs/ports.env as on a GPU host; the profile from the
     # "shell", which wins over .env.
-    model = compose_config(twin.compose_profiles, env={"PD_PROFILE": twin.profile})
+    model = manifests.compose_config(
+        twin.compose_profiles, env={"PD_PROFILE": twin.profile}
+    )
     services: dict[str, Object] = model["services"]
     return services
 
@@ -324,7 +316,7 @@ def secret_violations(objects: list[Object]) -> list[str]:
             problems += [
                 f"ConfigMap {o['metadata']['name']}: secret {key} in a ConfigMap"
                 for key in o.get("data") or {}
-                if SECRET_NAME.search(key)
+                if manifests.SECRET_NAME.search(key)
             ]
     for name, workload in workloads(objects).items():
         for container in all_containers(workload):
@@ -333,7 +325,7 @@ def secret_violations(objects: list[Object]) -> list[str]:
             plain = {e["name"]: str(e["value"]) for e in env if "value" in e}
             where = f"{name}/{container['name']}"
             files = _secret_files(workload, container)
-            problems += secret_env_violations(where, plain, files)
+            problems += manifests.secret_env_violations(where, plain, files)
     return problems
 
 
@@ -803,7 +795,7 @@ def test_kustomize_refuses_a_file_outside_its_root(tmp_path: Path) -> None:
 
 
 def test_manifests_hold_no_port_numbers() -> None:
-    assert port_numbers_in(K8S.rglob("*.yaml")) == {}
+    assert manifests.port_numbers_in(K8S.rglob("*.yaml")) == {}
 
 
 # --- the same servers and router as compose -----------------------------------------
