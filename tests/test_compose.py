@@ -26,6 +26,7 @@ from pdstack import config, serve
 from pdstack.compose import COMPOSE, DOTENV, PORTS_ENV, ROOT
 from pdstack.config import read_env_file
 from tests.manifests import (
+    HEALTH,
     RDMA_TRIO,
     SECRET_NAME,
     SECRET_REF_SUFFIXES,
@@ -93,10 +94,8 @@ def healthcheck_violations(model: Mapping[str, Any]) -> list[str]:
         urls = [w for w in words if w.startswith("http://localhost:")]
         if not words or words[0] != "curl" or not fails_on_error:
             problems.append(f"{name}: health check must be `curl -f...`, got {test}")
-        if len(urls) != 1 or not urls[0].endswith("/health"):
-            problems.append(
-                f"{name}: health check must GET localhost .../health: {test}"
-            )
+        if len(urls) != 1 or not urls[0].endswith(HEALTH):
+            problems.append(f"{name}: health check must GET localhost ...{HEALTH}")
         if name in SERVERS and not check.get("start_period"):
             problems.append(f"{name}: model loading needs a start_period")
     return problems
