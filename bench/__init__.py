@@ -9,5 +9,6 @@ owns), ``vllm_bench`` (vLLM's own ``vllm bench serve``, run in a subprocess),
 ``kv_transfer`` (the plugin's transfer metrics per request), ``router_overhead``
 (router vs the same two legs sent directly), ``http_tap`` (a recording proxy),
 ``transfer_engine`` (Mooncake alone vs loopback socket and memcpy ceilings),
-``memory`` (peak resident memory), ``report`` (Markdown, PNG, targets).
+``memory`` (peak resident memory), ``levels`` (a run's results per level),
+``targets`` (each target judged), ``report`` (Markdown, PNG, summary).
 """

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import report, settings
+from bench import levels, report, settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen.run_dir.mkdir(parents=True, exist_ok=True)
         run.run(chosen)
         return 0
-    except (settings.SettingsError, report.ReportError) as exc:
+    except (settings.SettingsError, levels.ReportError) as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -8,109 +8,35 @@ can be rebuilt (``python -m bench report DIR``) and tested on recorded runs:
   transfer counters over a P/D level);
 - ``transfer_engine.json``, ``router_overhead.json``, ``startup.json``,
   ``memory.json``, ``meta.json``: the other measurements and the settings.
+
+The levels and how figures print are bench.levels; the targets are judged in
+bench.targets; this module reads the run directory and renders.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from bench import kv_transfer
 from bench import transfer_engine as te
-from bench.settings import human_bytes
-from pdstack import kv_layout
-
-GIB = 1 << 30
-MIB = 1 << 20
-# Targets from the issue, with the number each is judged by.
-KV_SHARE_TARGET = 0.05
-KV_SHARE_INPUT_LEN = 4096
-ROUTER_P50_TARGET_MS = 1.0
-ENGINE_VS_SOCKET_TARGET = 0.80
-ENGINE_LARGE_BYTES = 64 * MIB
-MEMORY_TARGET_BYTES = 6 * GIB
-# (key in vllm bench's result, column title)
-METRICS = (
-    ("p50_ttft_ms", "TTFT p50 ms"),
-    ("p99_ttft_ms", "TTFT p99 ms"),
-    ("p50_tpot_ms", "TPOT p50 ms"),
-    ("p99_tpot_ms", "TPOT p99 ms"),
-    ("p50_itl_ms", "ITL p50 ms"),
-    ("p99_itl_ms", "ITL p99 ms"),
-    ("output_throughput", "output tok/s"),
+from bench.levels import (
+    GIB,
+    METRICS,
+    MIB,
+    LevelResult,
+    Pair,
+    fmt,
+    fmt_pct,
+    fmt_ratio,
+    ratio,
 )
-TARGETS = ("pd", "colocated")
-
-
-class ReportError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class LevelResult:
-    target: str
-    input_len: int
-    concurrency: int
-    completed: int
-    failed: int
-    values: dict[str, float]
-    mean_ttft_ms: float | None
-    input_lens: list[int]
-    errors: list[str] = field(default_factory=list)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> LevelResult:
-        try:
-            target = str(data["target"])
-            input_len = int(data["input_len"])
-            concurrency = int(data["concurrency"])
-            completed = int(data["completed"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ReportError(f"not a bench level result: missing {exc}") from exc
-        if target not in TARGETS:
-            raise ReportError(f"unknown target {target!r}")
-        values = {}
-        for key, _ in METRICS:
-            value = data.get(key)
-            if value is not None and completed:
-                values[key] = float(value)
-        return cls(
-            target=target,
-            input_len=input_len,
-            concurrency=concurrency,
-            completed=completed,
-            failed=int(data.get("failed", 0)),
-            values=values,
-            mean_ttft_ms=float(data["mean_ttft_ms"])
-            if data.get("mean_ttft_ms")
-            else None,
-            input_lens=kv_transfer.from_result(data),
-            errors=[str(e) for e in data.get("errors") or [] if e],
-        )
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
-        return None
-    return a / b
-
-
-def fmt(value: float | None, digits: int = 1) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    return f"{value:,.{digits}f}"
-
-
-def fmt_ratio(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
-
-
-def fmt_pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value * 100:.1f}%"
+from bench.settings import human_bytes
+from bench.targets import Target, judge
+from pdstack import kv_layout
 
 
 def load_levels(raw: Path) -> tuple[list[LevelResult], dict[str, str]]:
@@ -128,38 +54,6 @@ def load_levels(raw: Path) -> tuple[list[LevelResult], dict[str, str]]:
 
 def level_name(target: str, input_len: int, concurrency: int) -> str:
     return f"{target}-in{input_len}-c{concurrency}"
-
-
-@dataclass(frozen=True)
-class Pair:
-    input_len: int
-    concurrency: int
-    pd: LevelResult | None
-    colocated: LevelResult | None
-    kv_counters: dict[str, float] | None
-
-    def ratios(self) -> dict[str, float | None]:
-        return {
-            key: ratio(
-                self.pd.values.get(key) if self.pd else None,
-                self.colocated.values.get(key) if self.colocated else None,
-            )
-            for key, _ in METRICS
-        }
-
-    def kv_cost(self) -> kv_transfer.TransferCost | None:
-        if self.kv_counters is None or self.pd is None:
-            return None
-        return kv_transfer.cost(
-            self.kv_counters, len(self.pd.input_lens), self.pd.mean_ttft_ms
-        )
-
-    def layout(
-        self, model: kv_layout.KVLayout | None
-    ) -> kv_transfer.LayoutCheck | None:
-        if self.kv_counters is None or self.pd is None:
-            return None
-        return kv_transfer.check_layout(self.pd.input_lens, self.kv_counters, model)
 
 
 def pair_levels(levels: Sequence[LevelResult], raw: Path | None = None) -> list[Pair]:
@@ -184,276 +78,89 @@ def pair_levels(levels: Sequence[LevelResult], raw: Path | None = None) -> list[
     return pairs
 
 
-@dataclass(frozen=True)
-class Target:
-    name: str
-    target: str
-    measured: str
-    met: bool | None
-    note: str = ""
-    # Why a miss happens and what would move it (shown when missed).
-    advice: str = ""
+def table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """Every table of the report: a header, its rule, one line per row."""
 
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(cells) + " |"
 
-def _kv_share_target(pairs: Sequence[Pair]) -> Target:
-    candidates = [
-        p
-        for p in pairs
-        if p.input_len == KV_SHARE_INPUT_LEN and p.kv_cost() is not None
-    ]
-    name = f"KV transfer share of TTFT, {KV_SHARE_INPUT_LEN}-token prompts"
-    if not candidates:
-        return Target(name, f"<= {KV_SHARE_TARGET:.0%}", "not measured", None)
-    pair = min(candidates, key=lambda p: p.concurrency)
-    cost = pair.kv_cost()
-    assert cost is not None
-    share = cost.share_of_ttft
-    failed = int((pair.kv_counters or {}).get("failed_transfers", 0))
-    if failed:
-        name += f" ({failed} transfer(s) failed in that level, not counted)"
-    return Target(
-        name,
-        f"<= {KV_SHARE_TARGET:.0%}",
-        f"{fmt_pct(share)} ({cost.seconds_per_transfer * 1e3:.0f} ms of "
-        f"{fmt(pair.pd.mean_ttft_ms if pair.pd else None, 0)} ms mean TTFT, "
-        f"concurrency {pair.concurrency})",
-        None if share is None else share <= KV_SHARE_TARGET,
-        f"{human_bytes(cost.bytes_per_request)} per request, "
-        f"{cost.descriptors_per_transfer:.0f} descriptors per transfer, "
-        f"{cost.mb_per_s:.0f} MB/s",
-        f"In the stack the transfer ran at {cost.mb_per_s:.0f} MB/s, far below what "
-        "the engine alone reaches for one descriptor of that size (transfer-engine "
-        "table): the cost is per descriptor (one per block run and KV region, each "
-        "a TCP write the receiver acknowledges) and per wake-up of Mooncake's I/O "
-        "threads on cores the 1-thread servers keep busy. What would move it: RDMA "
-        "(`PD_MOONCAKE_PROTOCOL=rdma`; Mooncake's published 4.2% at 32k tokens is "
-        "over RDMA), larger TCP slices (`MC_TCP_SLICE_SIZE`, tuned column), fewer "
-        "descriptors (contiguous KV blocks coalesce), a core left free for the "
-        "transfer threads; `num_workers` (sender threads) only helps when several "
-        "requests transfer at once.",
-    )
-
-
-def _interval(pair: Sequence[Any]) -> tuple[float, float] | None:
-    low, high = pair
-    if low is None or high is None or math.isnan(low) or math.isnan(high):
-        return None
-    return float(low), float(high)
-
-
-def _router_met(
-    real: Sequence[Any], stubs: Sequence[Any], target_ms: float = ROUTER_P50_TARGET_MS
-) -> bool | None:
-    """Met only where a 95% interval of the p50 overhead lies wholly within
-    the target, missed where one lies wholly above it, else unresolved (None).
-
-    The real stack decides when its interval does; the stub measurement (legs
-    that cost nothing, so the router's own cost) resolves what the real
-    stack's noise cannot. A point figure never decides, nor does the real
-    stack's lower bound alone (on a noisy host it is below any target).
-    """
-    real_iv, stub_iv = _interval(real), _interval(stubs)
-    if real_iv is not None and real_iv[0] > target_ms:
-        return False
-    if real_iv is not None and real_iv[1] <= target_ms:
-        return True
-    if stub_iv is None:
-        return None
-    if stub_iv[1] <= target_ms:
-        return True
-    if stub_iv[0] > target_ms:
-        return False
-    return None
-
-
-def _router_target(overhead: Mapping[str, Any] | None) -> Target:
-    """Judged by the intervals of the real stack and of the stubs (_router_met)."""
-    name = "Router overhead p50"
-    target = f"<= {ROUTER_P50_TARGET_MS:g} ms"
-    if not overhead:
-        return Target(name, target, "not measured", None)
-    p50 = overhead.get("p50_overhead_ms")
-    low, high = (overhead.get("p50_overhead_interval_ms") or [None, None])[:2]
-    stubs = overhead.get("stubs") or {}
-    stub_p50 = stubs.get("p50_overhead_ms")
-    measured = (
-        f"real stack {fmt(p50, 2)} ms (95% interval {fmt(low, 1)} to "
-        f"{fmt(high, 1)} ms; p99 {fmt(overhead.get('p99_overhead_ms'), 1)} ms)"
-    )
-    if stub_p50 is not None:
-        measured += (
-            f"; stub backends {fmt(stub_p50, 2)} ms "
-            f"(p99 {fmt(stubs.get('p99_overhead_ms'), 2)} ms)"
-        )
-    stub_low, stub_high = (stubs.get("p50_overhead_interval_ms") or [None, None])[:2]
-    if stub_low is not None:
-        measured += f", 95% interval {fmt(stub_low, 2)} to {fmt(stub_high, 2)} ms"
-    met = _router_met((low, high), (stub_low, stub_high))
-    n = overhead.get("pairs") or len(overhead.get("samples", {}).get("router_ms", []))
-    own = overhead.get("p50_router_own_ms")
-    return Target(
-        name,
-        target,
-        measured,
-        met,
-        f"{n} pairs on the real stack, {stubs.get('pairs', 0)} on stubs; router's "
-        f"own time between its legs through recording proxies {fmt(own, 1)} ms",
-        "On stub backends the router's cost is one extra HTTP hop plus parsing and "
-        "re-serializing the body twice; the real-stack difference also carries the "
-        "servers' variance (see its interval), which on a busy host is far larger "
-        "than a millisecond. A loaded host, a router sharing cores with the servers, "
-        "or many concurrent requests in its queue move it up; a dedicated core "
-        "moves it down.",
-    )
-
-
-def _engine_target(comparisons: Sequence[te.Comparison]) -> Target:
-    name = "Transfer engine vs loopback socket, >= 64 MiB"
-    large = [c for c in comparisons if c.size >= ENGINE_LARGE_BYTES]
-    if not large:
-        return Target(name, f">= {ENGINE_VS_SOCKET_TARGET:.0%}", "not measured", None)
-    worst = min(large, key=lambda c: c.vs_socket)
-    return Target(
-        name,
-        f">= {ENGINE_VS_SOCKET_TARGET:.0%}",
-        ", ".join(
-            f"{human_bytes(c.size)}: {c.vs_socket:.0%} "
-            f"({c.engine_bps / 1e9:.2f} vs {c.socket_bps / 1e9:.2f} GB/s)"
-            for c in large
-        ),
-        worst.vs_socket >= ENGINE_VS_SOCKET_TARGET,
-        "tuned ("
-        + ", ".join(f"{k}={v}" for k, v in te.TUNED_ENV.items())
-        + "): "
-        + ", ".join(
-            f"{human_bytes(c.size)} {fmt_pct(ratio(c.tuned_bps, c.socket_bps))}"
-            for c in large
-        ),
-        "Mooncake's TCP transport cuts a transfer into slices and sends each as its "
-        "own request on an asio event loop, with an acknowledgement per write; a "
-        "plain socket streams the bytes in one go. Larger slices "
-        "(`MC_TCP_SLICE_SIZE`, the tuned column) and more connections per peer "
-        "(`MC_TCP_LANES_PER_PEER`) close much of the gap; RDMA removes the kernel "
-        "copies altogether.",
-    )
-
-
-def _memory_target(memory: Mapping[str, Any] | None) -> Target:
-    """Judged on PSS, the memory the processes occupy together: RSS counts the
-    pages they share (torch's libraries, in six processes) once per process."""
-    name = "Peak resident memory of the P/D twin (sum over its processes, PSS)"
-    if not memory or not memory.get("rss_total"):
-        return Target(name, "<= 6 GiB", "not measured", None)
-    rss = int(memory["rss_total"])
-    pss = int(memory.get("pss_total") or 0)
-    measured = pss or rss
-    return Target(
-        name,
-        "<= 6 GiB",
-        f"{measured / GIB:.2f} GiB" + ("" if pss else " (RSS; PSS not sampled)"),
-        measured <= MEMORY_TARGET_BYTES,
-        f"RSS sum {rss / GIB:.2f} GiB (shared pages counted in every process): "
-        + ", ".join(
-            f"{k} {v / GIB:.2f}" for k, v in memory.get("rss_by_group", {}).items()
-        )
-        + " GiB",
-        "Each vLLM server on CPU is three processes (API server, engine core, "
-        "worker), each loading torch (about 0.7 GiB resident apiece), and the "
-        "worker holds its KV cache (`kv-cache-memory-bytes` in "
-        "configs/targets/cpu.yaml). What would move it: a smaller KV cache, fewer "
-        "processes per server.",
-    )
-
-
-def targets(
-    pairs: Sequence[Pair],
-    overhead: Mapping[str, Any] | None,
-    comparisons: Sequence[te.Comparison],
-    memory: Mapping[str, Any] | None,
-) -> list[Target]:
-    return [
-        _kv_share_target(pairs),
-        _router_target(overhead),
-        _engine_target(comparisons),
-        _memory_target(memory),
-    ]
+    return [line(head), "|" + " --- |" * len(head), *map(line, rows)]
 
 
 def comparison_table(pairs: Sequence[Pair]) -> list[str]:
-    head = ["prompt", "conc.", *(title for _, title in METRICS)]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for pair in pairs:
+    def cells(pair: Pair) -> list[str]:
         ratios = pair.ratios()
-        cells = [str(pair.input_len), str(pair.concurrency)]
+        out = [str(pair.input_len), str(pair.concurrency)]
         for key, _ in METRICS:
             pd = pair.pd.values.get(key) if pair.pd else None
             colo = pair.colocated.values.get(key) if pair.colocated else None
             digits = 0 if key == "output_throughput" or (pd or 0) >= 100 else 1
-            cells.append(
+            out.append(
                 f"{fmt(pd, digits)} / {fmt(colo, digits)} ({fmt_ratio(ratios[key])})"
             )
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        return out
+
+    head = ["prompt", "conc.", *(title for _, title in METRICS)]
+    return table(head, map(cells, pairs))
 
 
 def kv_table(pairs: Sequence[Pair], model: kv_layout.KVLayout | None) -> list[str]:
-    head = [
-        "prompt", "conc.", "requests / transfers", "bytes/request",
-        "descriptors/transfer", "ms per transfer", "share of mean TTFT",
-        "effective MB/s", "layout check",
-    ]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for pair in pairs:
-        cost = pair.kv_cost()
-        if cost is None:
-            continue
+    def cells(pair: Pair, cost: kv_transfer.TransferCost) -> list[str]:
         check = pair.layout(model)
         verdict = (
             "n/a (no layout model)"
             if check is None
             else (("OK: " if check.ok else "MISMATCH: ") + check.detail)
         )
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    str(pair.input_len),
-                    str(pair.concurrency),
-                    f"{cost.requests} / {cost.transfers}",
-                    f"{cost.bytes_per_request:,.0f}",
-                    f"{cost.descriptors_per_transfer:.0f}",
-                    f"{cost.seconds_per_transfer * 1e3:.1f}",
-                    fmt_pct(cost.share_of_ttft),
-                    f"{cost.mb_per_s:.0f}",
-                    verdict,
-                ]
-            )
-            + " |"
-        )
-    return lines
+        return [
+            str(pair.input_len),
+            str(pair.concurrency),
+            f"{cost.requests} / {cost.transfers}",
+            f"{cost.bytes_per_request:,.0f}",
+            f"{cost.descriptors_per_transfer:.0f}",
+            f"{cost.seconds_per_transfer * 1e3:.1f}",
+            fmt_pct(cost.share_of_ttft),
+            f"{cost.mb_per_s:.0f}",
+            verdict,
+        ]
+
+    head = [
+        "prompt", "conc.", "requests / transfers", "bytes/request",
+        "descriptors/transfer", "ms per transfer", "share of mean TTFT",
+        "effective MB/s", "layout check",
+    ]  # fmt: skip
+    costs = [(p, c) for p in pairs if (c := p.kv_cost()) is not None]
+    return table(head, (cells(p, c) for p, c in costs))
 
 
 def engine_table(comparisons: Sequence[te.Comparison]) -> list[str]:
+    def gbps(value: float | None) -> str:
+        return "n/a" if value is None else f"{value / 1e9:.2f}"
+
+    def cells(c: te.Comparison) -> list[str]:
+        tuned_ratio = ratio(c.tuned_bps, c.socket_bps)
+        return [
+            human_bytes(c.size), gbps(c.engine_bps), gbps(c.kv_blocks_bps),
+            gbps(c.tuned_bps), gbps(c.socket_bps), gbps(c.memcpy_bps),
+            f"{c.vs_socket:.0%}", f"{c.vs_memcpy:.0%}",
+            "n/a" if tuned_ratio is None else f"{tuned_ratio:.0%}",
+        ]  # fmt: skip
+
     tuned = ", ".join(f"{k}={v}" for k, v in te.TUNED_ENV.items())
     head = [
         "size", "engine GB/s", "engine, 36 KiB descriptors GB/s",
         f"engine, {tuned} GB/s", "socket GB/s", "memcpy GB/s", "engine / socket",
         "engine / memcpy", "tuned engine / socket",
     ]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    return table(head, map(cells, comparisons))
 
-    def gbps(value: float | None) -> str:
-        return "n/a" if value is None else f"{value / 1e9:.2f}"
 
-    for c in comparisons:
-        tuned_ratio = ratio(c.tuned_bps, c.socket_bps)
-        lines.append(
-            f"| {human_bytes(c.size)} | {gbps(c.engine_bps)} | {gbps(c.kv_blocks_bps)} "
-            f"| {gbps(c.tuned_bps)} | {gbps(c.socket_bps)} | {gbps(c.memcpy_bps)} | "
-            f"{c.vs_socket:.0%} | {c.vs_memcpy:.0%} | "
-            f"{'n/a' if tuned_ratio is None else f'{tuned_ratio:.0%}'} |"
-        )
-    return lines
+def targets_table(checks: Sequence[Target]) -> list[str]:
+    def cells(t: Target) -> list[str]:
+        met = "n/a" if t.met is None else ("yes" if t.met else "**no**")
+        return [t.name, t.target, t.measured + (f"<br>{t.note}" if t.note else ""), met]
+
+    return table(["metric", "target", "measured", "met?"], map(cells, checks))
 
 
 def _read(path: Path) -> Any:
@@ -473,7 +180,7 @@ def build(run_dir: Path) -> dict[str, Any]:
     overhead = _read(run_dir / "router_overhead.json")
     memory = _read(run_dir / "memory.json")
     startup = _read(run_dir / "startup.json") or {}
-    checks = targets(pairs, overhead, comparisons, memory)
+    checks = judge(pairs, overhead, comparisons, memory)
     model = kv_transfer.layout_from_json(_read(run_dir / "kv_layout.json"))
     layout = [
         (p.input_len, p.concurrency, p.layout(model))
@@ -541,16 +248,7 @@ def markdown(
         out += [f"Stack: {meta['stack']}. Profile `{profile}`.", ""]
     if meta.get("machine"):
         out += [f"Machine: {meta['machine']}", ""]
-    out += [
-        "## Targets",
-        "",
-        "| metric | target | measured | met? |",
-        "| --- | --- | --- | --- |",
-    ]
-    for t in checks:
-        met = "n/a" if t.met is None else ("yes" if t.met else "**no**")
-        measured = t.measured + (f"<br>{t.note}" if t.note else "")
-        out.append(f"| {t.name} | {t.target} | {measured} | {met} |")
+    out += ["## Targets", "", *targets_table(checks)]
     missed = [t for t in checks if t.met is False and t.advice]
     if missed:
         out += ["", "Where a target is missed:", ""]

@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 import requests
 
-from bench import http_tap, kv_transfer, report, router_overhead, settings
+from bench import http_tap, kv_transfer, levels, report, router_overhead, settings
 from bench import transfer_engine as te
 from bench.stack import free_port
+from bench.targets import judge
 from bench.vllm_bench import Level, Plan, bench_serve_args
 from pdstack import kv_layout
 
@@ -291,7 +292,7 @@ def test_report_from_a_recorded_run(run_dir: Path) -> None:
     for level in summary["levels"]:
         pd = raw[f"pd-in{level['input_len']}-c{level['concurrency']}"]
         colo = raw[f"colocated-in{level['input_len']}-c{level['concurrency']}"]
-        for key, _ in report.METRICS:
+        for key, _ in levels.METRICS:
             want = pd[key] / colo[key]
             assert level["ratio_pd_over_colocated"][key] == pytest.approx(want)
         assert level["kv"]["transfers"] == pd["completed"]
@@ -324,19 +325,19 @@ def test_targets_are_judged_by_their_numbers() -> None:
     lens = [4096]
     result = {"target": "pd", "input_len": 4096, "concurrency": 1, "completed": 1,
               "mean_ttft_ms": 10_000.0, "input_lens": lens, "errors": [""]}  # fmt: skip
-    level = report.LevelResult.from_json(result)
-    fast = report.Pair(4096, 1, level, None, counters(lens, seconds=0.4))
-    slow = report.Pair(4096, 1, level, None, counters(lens, seconds=0.6))
-    assert report.targets([fast], None, [], None)[0].met is True
-    assert report.targets([slow], None, [], None)[0].met is False
+    level = levels.LevelResult.from_json(result)
+    fast = levels.Pair(4096, 1, level, None, counters(lens, seconds=0.4))
+    slow = levels.Pair(4096, 1, level, None, counters(lens, seconds=0.6))
+    assert judge([fast], None, [], None)[0].met is True
+    assert judge([slow], None, [], None)[0].met is False
     memory = {"rss_total": 7 << 30, "rss_by_group": {}}
-    assert report.targets([], None, [], memory)[3].met is False
-    assert report.targets([], None, [], {**memory, "rss_total": 5 << 30})[3].met is True
+    assert judge([], None, [], memory)[3].met is False
+    assert judge([], None, [], {**memory, "rss_total": 5 << 30})[3].met is True
     engine = [te.Comparison(64 << 20, 0.7e9, 1.0e9, 5e9, None)]
-    assert report.targets([], None, engine, None)[2].met is False
+    assert judge([], None, engine, None)[2].met is False
     engine = [te.Comparison(64 << 20, 0.9e9, 1.0e9, 5e9, None)]
-    assert report.targets([], None, engine, None)[2].met is True
-    assert all(t.met is None for t in report.targets([], None, [], None))
+    assert judge([], None, engine, None)[2].met is True
+    assert all(t.met is None for t in judge([], None, [], None))
 
 
 def router_met(real: list[float], stubs: list[float], stub_p50: float) -> bool | None:
@@ -345,7 +346,7 @@ def router_met(real: list[float], stubs: list[float], stub_p50: float) -> bool |
         "p50_overhead_interval_ms": real,
         "stubs": {"p50_overhead_ms": stub_p50, "p50_overhead_interval_ms": stubs},
     }
-    target = report.targets([], overhead, [], None)[1]
+    target = judge([], overhead, [], None)[1]
     assert target.name.startswith("Router overhead")
     return target.met
 
@@ -366,10 +367,10 @@ def test_router_target_is_judged_by_intervals_not_point_figures() -> None:
 
 
 def test_level_parser_rejects_what_is_not_a_bench_result() -> None:
-    with pytest.raises(report.ReportError, match="missing"):
-        report.LevelResult.from_json({"completed": 3})
-    with pytest.raises(report.ReportError, match="unknown target"):
-        report.LevelResult.from_json(
+    with pytest.raises(levels.ReportError, match="missing"):
+        levels.LevelResult.from_json({"completed": 3})
+    with pytest.raises(levels.ReportError, match="unknown target"):
+        levels.LevelResult.from_json(
             {"target": "x", "input_len": 1, "concurrency": 1, "completed": 1}
         )
 

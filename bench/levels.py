@@ -1,0 +1,127 @@
+"""What a bench run measured per level: ``vllm bench serve`` results, each P/D
+level paired with the colocated one on the same prompts, and how a figure
+prints. The report (bench.report) and the targets (bench.targets) read these.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench import kv_transfer
+from pdstack import kv_layout
+
+GIB = 1 << 30
+MIB = 1 << 20
+# (key in vllm bench's result, column title)
+METRICS = (
+    ("p50_ttft_ms", "TTFT p50 ms"),
+    ("p99_ttft_ms", "TTFT p99 ms"),
+    ("p50_tpot_ms", "TPOT p50 ms"),
+    ("p99_tpot_ms", "TPOT p99 ms"),
+    ("p50_itl_ms", "ITL p50 ms"),
+    ("p99_itl_ms", "ITL p99 ms"),
+    ("output_throughput", "output tok/s"),
+)
+TARGETS = ("pd", "colocated")
+
+
+class ReportError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    target: str
+    input_len: int
+    concurrency: int
+    completed: int
+    failed: int
+    values: dict[str, float]
+    mean_ttft_ms: float | None
+    input_lens: list[int]
+    errors: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LevelResult:
+        try:
+            target = str(data["target"])
+            input_len = int(data["input_len"])
+            concurrency = int(data["concurrency"])
+            completed = int(data["completed"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ReportError(f"not a bench level result: missing {exc}") from exc
+        if target not in TARGETS:
+            raise ReportError(f"unknown target {target!r}")
+        values = {}
+        for key, _ in METRICS:
+            value = data.get(key)
+            if value is not None and completed:
+                values[key] = float(value)
+        return cls(
+            target=target,
+            input_len=input_len,
+            concurrency=concurrency,
+            completed=completed,
+            failed=int(data.get("failed", 0)),
+            values=values,
+            mean_ttft_ms=float(data["mean_ttft_ms"])
+            if data.get("mean_ttft_ms")
+            else None,
+            input_lens=kv_transfer.from_result(data),
+            errors=[str(e) for e in data.get("errors") or [] if e],
+        )
+
+
+@dataclass(frozen=True)
+class Pair:
+    input_len: int
+    concurrency: int
+    pd: LevelResult | None
+    colocated: LevelResult | None
+    kv_counters: dict[str, float] | None
+
+    def ratios(self) -> dict[str, float | None]:
+        return {
+            key: ratio(
+                self.pd.values.get(key) if self.pd else None,
+                self.colocated.values.get(key) if self.colocated else None,
+            )
+            for key, _ in METRICS
+        }
+
+    def kv_cost(self) -> kv_transfer.TransferCost | None:
+        if self.kv_counters is None or self.pd is None:
+            return None
+        return kv_transfer.cost(
+            self.kv_counters, len(self.pd.input_lens), self.pd.mean_ttft_ms
+        )
+
+    def layout(
+        self, model: kv_layout.KVLayout | None
+    ) -> kv_transfer.LayoutCheck | None:
+        if self.kv_counters is None or self.pd is None:
+            return None
+        return kv_transfer.check_layout(self.pd.input_lens, self.kv_counters, model)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
+        return None
+    return a / b
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:,.{digits}f}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def fmt_pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:.1f}%"
