@@ -1,4 +1,4 @@
-"""Peak resident memory of a set of process trees, sampled in a thread (psutil).
+"""Peak resident memory of a set of process groups, sampled in a thread (psutil).
 
 RSS summed over processes counts shared pages (libraries, torch) once per
 process: it is the conservative figure. PSS (proportional set size) splits
@@ -11,31 +11,26 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import psutil
+
+from pdstack.supervisor import Record
 
 RSS_INTERVAL_S = 0.5
 PSS_INTERVAL_S = 5.0
 
 
-def tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
 def _sum(
-    groups: Mapping[str, list[int]], read: Callable[[psutil.Process], int]
+    groups: Mapping[str, Sequence[Record]], read: Callable[[psutil.Process], int]
 ) -> dict[str, int]:
     out: dict[str, int] = {}
-    for name, roots in groups.items():
+    for name, records in groups.items():
         total = 0
-        for root in roots:
-            for proc in tree(root):
+        for record in records:
+            # The whole process group: also an engine core whose server died.
+            for proc in record.members():
                 with contextlib.suppress(psutil.Error):
                     total += read(proc)
         out[name] = total
@@ -52,11 +47,12 @@ class Peak:
 
 
 class PeakMemory:
-    """``with PeakMemory({"prefill": [pid], ...}) as m: ...; m.peak``."""
+    """``with PeakMemory({"prefill": [record], ...}) as m: ...; m.peak``
+    (records: ``pdstack.supervisor.Record``)."""
 
     def __init__(
         self,
-        groups: Mapping[str, list[int]],
+        groups: Mapping[str, Sequence[Record]],
         rss_interval_s: float = RSS_INTERVAL_S,
         pss_interval_s: float = PSS_INTERVAL_S,
     ) -> None:

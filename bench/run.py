@@ -23,18 +23,20 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import psutil
 
 from bench import kv_transfer, memory, report, router_overhead, stack
-from bench.settings import Settings, Urls
+from bench.settings import Settings
 from bench.vllm_bench import Level, Plan
-from pdstack import config
+from pdstack import config, supervisor
+from pdstack.supervisor import Urls
 
 SWEEP_MARGIN_S = 300.0
 # Router vs direct on stub backends: ~2 ms a pair.
@@ -135,25 +137,20 @@ def sweep_step(plan: Plan, out: Path, progress: Clock) -> None:
         [sys.executable, "-m", "bench.vllm_bench", str(plan_file)],
         start_new_session=True,
     )
+    record = supervisor.Record.of(proc.pid)
     try:
         proc.wait(timeout=deadline)
     except subprocess.TimeoutExpired:
         progress(f"sweep over its deadline ({deadline:.0f}s): stopping it")
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 15)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=20)
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait(timeout=10)
+        # Its whole process group, also what it left behind after exiting.
+        supervisor.stop({"the sweep": record}, progress)
 
 
 def overhead_step(
     s: Settings, urls: Urls, run_dir: Path, out: Path, progress: Clock
 ) -> None:
-    bootstrap_port = config.ports().bootstrap
+    bootstrap_port = urls.bootstrap_port
     bootstrap = router_overhead.bootstrap_url(urls.prefill, bootstrap_port)
     progress("router protocol: a second router behind recording proxies")
     capture = None
@@ -235,16 +232,16 @@ def run(s: Settings) -> Path:
     transfer_engine_step(s, out, progress)
     startup: dict[str, float] = {}
     peak: memory.Peak | None = None
-    own = stack.Stack(s.run_dir, progress) if s.urls is None else None
+    own = stack.processes(s.run_dir, progress) if s.urls is None else None
     try:
         if own is not None:
-            stack.stop_leftovers(s.run_dir, progress)
+            own.stop()  # what an earlier, killed bench left running
             if s.cold_start:
                 cache = s.run_dir / "cold-model-cache"
                 shutil.rmtree(cache, ignore_errors=True)
                 progress(f"cold start: generating the model into an empty {cache}")
                 gen_s = stack.generate_model(cache, s.run_dir / "model-generation.log")
-                with stack.model_cache(cache):
+                with mock.patch.dict(os.environ, {"PD_MODEL_CACHE": str(cache)}):
                     _, timings, _ = stack.start_pd(own, s.profile, progress)
                 own.stop()
                 shutil.rmtree(cache, ignore_errors=True)
@@ -256,9 +253,8 @@ def run(s: Settings) -> Path:
             startup["cached start: prefill healthy"] = timings["prefill"]
             startup["cached start: decode healthy"] = timings["decode"]
             startup["cached start, total (router healthy)"] = timings["total"]
-            groups = {
-                name: own.pids([name]) for name in ("prefill", "decode", "router")
-            }
+            records = own.records()
+            groups = {name: [records[name]] for name in ("prefill", "decode", "router")}
             sampler = memory.PeakMemory(groups)
             sampler.__enter__()
             try:
@@ -268,7 +264,7 @@ def run(s: Settings) -> Path:
                 )  # fmt: skip
                 startup["colocated server healthy"] = colo_s
                 meta["notes"] += notes + colo_notes
-                urls = Urls(pd_urls.router, pd_urls.prefill, pd_urls.decode, colo_url)
+                urls = replace(pd_urls, colocated=colo_url)
                 meta["stack"] = (
                     "CPU twin started by the bench (prefill, decode, vllm-router; "
                     "a colocated server beside it)"

@@ -13,6 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdstack import config
+from pdstack.supervisor import Urls
+
 ROOT = Path(__file__).resolve().parent.parent
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DEFAULT_TRANSFER_SIZES = "64K,256K,1M,4M,16M,64M,256M"
@@ -57,14 +60,6 @@ def human_bytes(n: float) -> str:
                 f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
             )
     return f"{n:.0f} B"
-
-
-@dataclass(frozen=True)
-class Urls:
-    router: str
-    prefill: str
-    decode: str
-    colocated: str
 
 
 @dataclass(frozen=True)
@@ -216,7 +211,7 @@ def from_args(args: argparse.Namespace) -> Settings:
                 "against a running stack give all four URLs; missing: "
                 + ", ".join(f"BENCH_{m.upper()}_URL" for m in missing)
             )
-        urls = Urls(**given)
+        urls = Urls(**given, bootstrap_port=config.ports().bootstrap)
     for name in ("output_len", "min_prompts", "max_batch_tokens", "overhead_requests"):
         if getattr(args, name) <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")

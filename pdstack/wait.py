@@ -88,22 +88,27 @@ def until_healthy(
     Returns the seconds it took.
     """
     start = time.monotonic()
-    last_note = start
-    while True:
+
+    def last_lines() -> str:
+        return f"last lines of {log}:\n{tail(log) if log else ''}"
+
+    def answered() -> bool:
         if healthy(url):
-            return time.monotonic() - start
+            return True
         if process is not None and process.poll() is not None:
             raise WaitError(
-                f"{name} exited with code {process.returncode} before it was healthy; "
-                f"last lines of {log}:\n{tail(log) if log else ''}"
+                f"{name} exited with code {process.returncode} before it was "
+                f"healthy; {last_lines()}"
             )
-        now = time.monotonic()
-        if now - start > deadline_s:
-            raise WaitError(
-                f"{name} not healthy at {url} after {deadline_s:.0f}s; "
-                f"last lines of {log}:\n{tail(log) if log else ''}"
-            )
-        if now - last_note >= 15:
-            progress(f"  ... waiting for {name} ({now - start:.0f}s)")
-            last_note = now
-        time.sleep(interval_s)
+        return False
+
+    poll(
+        answered,
+        bool,
+        deadline_s,
+        f"{name} at {url}/health",
+        interval_s,
+        describe=lambda _: f"not healthy; {last_lines()}",
+        progress=progress,
+    )
+    return time.monotonic() - start

@@ -2,59 +2,103 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from pdstack import twin, wait
+from pdstack import supervisor, twin, wait
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+# A leader that forks a child, as vLLM's API server forks its engine core.
+FORKING = [
+    sys.executable,
+    "-c",
+    f"import subprocess, sys, time; subprocess.Popen({SLEEPER!r}); time.sleep(600)",
+]
 
 
 def alive(pid: int) -> bool:
-    return twin._start_time(pid) is not None
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def group(pgid: int) -> list[int]:
+    return [int(p) for p in os.popen(f"pgrep -g {pgid}").read().split()]
+
+
+def until_forked(pgid: int) -> list[int]:
+    return wait.poll(lambda: group(pgid), lambda g: len(g) == 2, 10, "the fork")
 
 
 def test_down_stops_the_recorded_processes_and_their_children(tmp_path: Path) -> None:
-    # A leader that forks a child, as vLLM's API server forks its engine core.
-    forking = [
-        sys.executable,
-        "-c",
-        f"import subprocess, sys, time; subprocess.Popen({SLEEPER!r}); time.sleep(600)",
-    ]
-    procs = {
-        "prefill": twin.launch("prefill", forking, {}, tmp_path),
-        "decode": twin.launch("decode", SLEEPER, {}, tmp_path),
-    }
-    twin._record(tmp_path, procs)
+    procs = twin.processes(tmp_path, progress=lambda _: None)
+    prefill = procs.launch("prefill", FORKING, {})
+    procs.launch("decode", SLEEPER, {})
     bystander = subprocess.Popen(SLEEPER)
-    time.sleep(1.0)
-    group = [
-        int(p) for p in os.popen(f"pgrep -g {procs['prefill'].pid}").read().split()
-    ]
-    assert len(group) == 2, group
+    members = until_forked(prefill.pid)
     try:
         twin.down(tmp_path, progress=lambda _: None)
         assert twin.running(tmp_path) == {}
-        assert not any(alive(pid) for pid in group)
+        assert not any(alive(pid) for pid in members)
         assert alive(bystander.pid), "down() must not touch processes it did not start"
     finally:
         bystander.kill()
         bystander.wait()
 
 
+def test_down_stops_the_orphans_of_a_leader_killed_alone(tmp_path: Path) -> None:
+    """As the OOM killer does to decode's API server: its engine core and
+    workers live on as orphans of init; `down` must still stop them, and say so."""
+    said: list[str] = []
+    leader = twin.processes(tmp_path, said.append).launch("decode", FORKING, {})
+    (orphan,) = set(until_forked(leader.pid)) - {leader.pid}
+    leader.send_signal(signal.SIGKILL)
+    leader.wait()
+    assert alive(orphan) and twin.running(tmp_path) == {}
+    twin.down(tmp_path, progress=said.append)
+    assert not alive(orphan)
+    assert group(leader.pid) == []
+    assert any(f"is gone but left {sys.executable}" in line for line in said), said
+    assert any(f"(pid {orphan})" in line for line in said), said
+
+
 def test_a_reused_pid_is_not_ours(tmp_path: Path) -> None:
-    proc = subprocess.Popen(SLEEPER)
+    proc = subprocess.Popen(SLEEPER, start_new_session=True)
     try:
         state = tmp_path / "processes.json"
-        state.write_text(f'{{"prefill": {{"pid": {proc.pid}, "start": "1"}}}}')
+        entry = {"pid": proc.pid, "create_time": 1.0, "pgid": proc.pid}
+        state.write_text(json.dumps({"prefill": entry}))
         assert twin.running(tmp_path) == {}
+        # Nor is its process group: the number names a group started later.
+        (record,) = twin.processes(tmp_path).records().values()
+        assert record.members() == []
+        twin.down(tmp_path, progress=lambda _: None)
+        assert alive(proc.pid)
     finally:
         proc.kill()
+        proc.wait()
+
+
+def test_a_group_whose_number_was_reused_is_not_ours() -> None:
+    proc = subprocess.Popen(FORKING, start_new_session=True)
+    try:
+        until_forked(proc.pid)
+        # Recorded later than this group began: another group had the number.
+        later = supervisor.Record(proc.pid, time.time() + 60, proc.pid)
+        assert later.leader() is None and later.members() == []
+        supervisor.stop({"decode": later}, progress=lambda _: None)
+        assert len(group(proc.pid)) == 2
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
@@ -62,11 +106,10 @@ def test_wait_fails_fast_with_the_log_tail_when_the_process_dies(
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "prefill.log"
-    proc = twin.launch(
+    proc = twin.processes(tmp_path, progress=lambda _: None).launch(
         "prefill",
         [sys.executable, "-c", "print('boom: no model'); raise SystemExit(3)"],
         {},
-        tmp_path,
     )
     start = time.monotonic()
     with pytest.raises(
