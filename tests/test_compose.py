@@ -9,7 +9,6 @@ broken model (negative control) and see the violation reported.
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import itertools
 import json
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pd_mooncake import metric_names as names
 from pdstack import config, serve
 from pdstack.compose import COMPOSE, DOTENV, PORTS_ENV, ROOT
 from pdstack.config import read_env_file
@@ -586,12 +586,12 @@ def test_rdma_servers_select_the_rdma_protocol() -> None:
 # --- monitoring ------------------------------------------------------------------
 
 REQUIRED_METRICS = {
-    "vllm:mooncake_bytes_transferred",
-    "vllm:mooncake_transfers",
-    "vllm:mooncake_failed_transfers",
-    "vllm:mooncake_failed_recvs",
-    "vllm:mooncake_transfer_time_seconds",
-    "vllm:mooncake_region_bytes",
+    names.BYTES,
+    names.TRANSFERS,
+    names.FAILED_TRANSFERS,
+    names.FAILED_RECVS,
+    names.TRANSFER_TIME,
+    names.REGION_BYTES,
     "vllm:external_prefix_cache_hits",
     "vllm:prompt_tokens_by_source",
     "vllm:spec_decode_num_accepted_tokens",
@@ -607,21 +607,13 @@ def known_metrics() -> set[str]:
     spec = importlib.util.find_spec("vllm")  # locates without importing vLLM
     assert spec and spec.submodule_search_locations
     vllm_dir = Path(spec.submodule_search_locations[0])
-    plugin = ROOT / "plugin" / "src" / "pd_mooncake" / "metrics.py"
-    names: set[str] = set()
+    found = {v for v in vars(names).values() if str(v).startswith("vllm:")}
     for path in (
         vllm_dir / "v1" / "metrics" / "loggers.py",
         vllm_dir / "v1" / "spec_decode" / "metrics.py",
-        plugin,
-        plugin.with_name("metric_names.py"),
     ):
-        names.update(re.findall(r"\"(vllm:[a-z0-9_]+)\"", path.read_text()))
-    for node in ast.walk(ast.parse(plugin.read_text())):
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "COUNTERS" for t in node.targets
-        ):
-            names.update(f"vllm:mooncake_{s}" for s, *_ in ast.literal_eval(node.value))
-    return names
+        found.update(re.findall(r"\"(vllm:[a-z0-9_]+)\"", path.read_text()))
+    return found
 
 
 def dashboard_metrics(dashboard: Mapping[str, Any]) -> set[str]:
