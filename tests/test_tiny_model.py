@@ -39,8 +39,8 @@ def target(models: tm.TinyModels) -> torch.nn.Module:
 
 def _small_draft(path: Path, drop: str | None = None, extra: str | None = None) -> dict:
     """A draft checkpoint with a 16-token vocab, optionally damaged."""
-    config = tm.draft_config(16, SPECIALS)
-    weights = tm.init_draft_weights(config)
+    config = tm.draft.draft_config(16, SPECIALS)
+    weights = tm.draft.init_draft_weights(config)
     if drop:
         del weights[drop]
     if extra:
@@ -68,16 +68,16 @@ def test_draft_check_names_unexpected_keys_and_wrong_shapes(tmp_path: Path) -> N
     _small_draft(tmp_path / "draft", extra="embed_tokens.weight")
     with pytest.raises(tm.DraftCheckpointError, match=r"unexpected=.*embed_tokens"):
         tm.verify_draft_checkpoint(tmp_path / "draft")
-    config = tm.draft_config(16, SPECIALS)
-    shapes = tm.expected_draft_shapes(config) | {"fc.weight": (256, 256)}
+    config = tm.draft.draft_config(16, SPECIALS)
+    shapes = tm.draft.expected_draft_shapes(config) | {"fc.weight": (256, 256)}
     with pytest.raises(tm.DraftCheckpointError, match=r"wrong_shape=.*fc\.weight"):
-        tm.check_draft_weights(shapes, config)
+        tm.draft.check_draft_weights(shapes, config)
 
 
 def test_stamp_changes_with_any_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
     before = tm.generator_stamp()
     assert tm.generator_stamp() == before
-    monkeypatch.setattr(tm, "DRAFT_FC_STD", tm.DRAFT_FC_STD * 2)
+    monkeypatch.setattr(tm.params, "DRAFT_FC_STD", tm.params.DRAFT_FC_STD * 2)
     assert tm.generator_stamp() != before
 
 
@@ -89,7 +89,7 @@ def _fake_generate(calls: list[Path], fail: bool = False) -> Callable[..., dict]
         if fail:
             raise KeyboardInterrupt  # as if the generation were killed
         _small_draft(out_dir / "draft")
-        (out_dir / "draft" / tm.PROBE_FILE).write_text("{}")
+        (out_dir / "draft" / tm.params.PROBE_FILE).write_text("{}")
         return {}
 
     return generate
@@ -99,7 +99,7 @@ def test_ensure_models_generates_once_then_reuses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[Path] = []
-    monkeypatch.setattr(tm, "generate", _fake_generate(calls))
+    monkeypatch.setattr(tm.cache, "generate", _fake_generate(calls))
     first = tm.ensure_models(tmp_path, progress=lambda _: None)
     second = tm.ensure_models(tmp_path, progress=lambda _: None)
     assert first == second
@@ -112,7 +112,7 @@ def test_killed_generation_leaves_nothing_that_looks_valid(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[Path] = []
-    monkeypatch.setattr(tm, "generate", _fake_generate(calls, fail=True))
+    monkeypatch.setattr(tm.cache, "generate", _fake_generate(calls, fail=True))
     with pytest.raises(KeyboardInterrupt):
         tm.ensure_models(tmp_path, progress=lambda _: None)
     assert list(tmp_path.iterdir()) == []
@@ -120,9 +120,9 @@ def test_killed_generation_leaves_nothing_that_looks_valid(
     name = f"pd-tiny-dsv2-eagle3-{tm.generator_stamp()[:16]}"
     orphan = tmp_path / f".{name}.tmp-orphan"
     orphan.mkdir()
-    old = time.time() - 2 * tm.STALE_TEMP_S
+    old = time.time() - 2 * tm.cache.STALE_TEMP_S
     os.utime(orphan, (old, old))
-    monkeypatch.setattr(tm, "generate", _fake_generate(calls))
+    monkeypatch.setattr(tm.cache, "generate", _fake_generate(calls))
     tm.ensure_models(tmp_path, progress=lambda _: None)
     assert not orphan.exists()
 
@@ -131,11 +131,11 @@ def test_killed_generation_leaves_nothing_that_looks_valid(
 def test_target_config_is_deepseek_mla_with_yarn(models: tm.TinyModels) -> None:
     config = json.loads((models.target / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV2ForCausalLM"]
-    assert config["num_hidden_layers"] == tm.TARGET_NUM_LAYERS
+    assert config["num_hidden_layers"] == tm.params.TARGET_NUM_LAYERS
     assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
     assert config["q_lora_rank"] is None
     assert config["first_k_dense_replace"] == config["num_hidden_layers"]
-    assert config["max_position_embeddings"] >= 4096 + tm.PROBE_MAX_TOKENS
+    assert config["max_position_embeddings"] >= 4096 + tm.params.PROBE_MAX_TOKENS
     rope = config["rope_parameters"]
     assert rope["rope_type"] == "yarn"
     assert "attention_factor" not in rope  # vLLM would then pick llama scaling
@@ -167,14 +167,14 @@ def test_tokenizer_is_byte_level_with_bos(models: tm.TinyModels) -> None:
     assert ids[0] == tok.bos_token_id
     assert 10 <= len(ids) <= len(text) // 2  # ~2.5 characters per token
     assert tok.decode(ids, skip_special_tokens=True) == text
-    assert tok.eos_token == tm.EOS_TOKEN and tok.eos_token_id is not None
+    assert tok.eos_token == tm.params.EOS_TOKEN and tok.eos_token_id is not None
 
 
 def test_probes_are_the_targets_greedy_continuations(
     models: tm.TinyModels, target: torch.nn.Module
 ) -> None:
     probes = tm.load_probes(models)
-    assert len(probes) == sum(count for _, count in tm.PROBE_GROUPS)
+    assert len(probes) == sum(count for _, count in tm.params.PROBE_GROUPS)
     # Random weights still give every prompt its own continuation.
     assert len({tuple(p.greedy[:8]) for p in probes}) == len(probes)
     for probe in probes[:2] + probes[8:10]:
@@ -199,10 +199,12 @@ def test_draft_predicts_probes_only_with_its_own_prompt_kv(
     prompts = torch.tensor([p.prompt for p in tm.load_probes(models)[16:24]])
     assert prompts.shape[1] == 48  # one probe group: equal lengths
     start = prompts.shape[1] - 1
-    with tm._deterministic_torch(), torch.no_grad():
-        trace = tm.greedy_trace(target, prompts, tm.PROBE_MAX_TOKENS)
-        kept = tm.draft_first_pass(weights, embed, trace, start)
-        lost = tm.draft_first_pass(weights, embed, trace, start, lose_prompt_kv=True)
+    with tm.cache.deterministic_torch(), torch.no_grad():
+        trace = tm.target.greedy_trace(target, prompts, tm.params.PROBE_MAX_TOKENS)
+        kept = tm.eagle3.draft_first_pass(weights, embed, trace, start)
+        lost = tm.eagle3.draft_first_pass(
+            weights, embed, trace, start, lose_prompt_kv=True
+        )
     labels = trace.greedy[:, start + 1 :]
 
     def accuracy(normed: torch.Tensor) -> float:
@@ -237,7 +239,7 @@ def test_generation_is_byte_identical(tmp_path: Path) -> None:
         return {
             str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != tm.STAMP_FILE  # holds timings
+            if p.is_file() and p.name != tm.cache.STAMP_FILE  # holds timings
         }
 
     a = tm.ensure_models(tmp_path / "a", progress=lambda _: None)
