@@ -150,3 +150,46 @@ def test_poll_returns_the_first_value_done_and_reports_the_last_on_timeout() -> 
     assert wait.poll(lambda: next(values), lambda v: v >= 3, 5.0, "three") == 3
     with pytest.raises(wait.WaitError, match=r"waiting for never.*last seen: 'x'"):
         wait.poll(lambda: "x", lambda v: False, 0.3, "never", interval_s=0.05)
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` consecutive free ports (a bootstrap port needs the next one)."""
+    while True:
+        base = supervisor.free_port()
+        ports = list(range(base, base + count))
+        if base + count < 65536 and not any(map(supervisor.port_in_use, ports)):
+            return ports
+
+
+@pytest.mark.skipif(
+    os.environ.get("PD_TWIN_KILL_TEST") != "1",
+    reason="starts the CPU twin (minutes on 2 cores): set PD_TWIN_KILL_TEST=1",
+)
+def test_down_stops_the_engine_core_of_a_decode_killed_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Measured before the supervisor: decode's API server alone SIGKILLed (a
+    crash, the OOM killer), its VLLM::EngineCore and VLLM::Worker lived on as
+    orphans of init holding 2.2 GiB, and `make down-cpu` said nothing."""
+    # Its own ports (another twin may run here); the side channel last.
+    names = ("ROUTER_PORT", "PREFILL_PORT", "DECODE_PORT", "ROUTER_METRICS_PORT")
+    for name, port in zip((*names, "BOOTSTRAP_PORT"), free_ports(6), strict=False):
+        monkeypatch.setenv(name, str(port))
+    said: list[str] = []
+    twin.up(run_dir=tmp_path, progress=said.append)
+    try:
+        decode = twin.processes(tmp_path).records()["decode"]
+        orphans = [p for p in decode.members() if p.pid != decode.pid]
+        titles = [supervisor.describe(p) for p in orphans]
+        assert any("VLLM::EngineCore" in t for t in titles), titles
+        os.kill(decode.pid, signal.SIGKILL)  # the API server only
+        psutil.wait_procs([psutil.Process(decode.pid)], timeout=30)
+        assert "decode" not in twin.running(tmp_path)
+        assert all(p.is_running() for p in orphans), titles
+    finally:
+        twin.down(tmp_path, progress=said.append)
+    assert decode.members() == [] and group(decode.pgid) == []
+    assert not any(alive(p.pid) for p in orphans)
+    (report,) = [line for line in said if "is gone but left" in line]
+    assert report.startswith(f"decode (pid {decode.pid}) is gone"), report
+    assert all(title in report for title in titles), (report, titles)
