@@ -267,7 +267,7 @@ def test_negative_control_decode_obeys_params_sent_to_it_directly(
     """The same kind of params sent straight to decode do steer it (here to a
     bootstrap server that does not exist): only the router stands between
     clients and the transfer, so decode's and prefill's ports must stay off
-    the client network (compose: unpublished; see the compose case)."""
+    the client network (compose: unpublished; tests/test_compose.py)."""
     body = greedy(faults.prompt(20, salt=3450), 4)
     steer = {**CLIENT_PARAMS, "do_remote_prefill": True}
     before = counters(faults)

@@ -671,3 +671,51 @@ def test_grafana_provisioning_matches_the_mounts() -> None:
     )
     home = environment(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert (DASHBOARDS / Path(home).name).is_file()
+
+
+def test_compose_keeps_servers_private_non_root_and_secrets_out(
+    tmp_path: Path,
+) -> None:
+    """With real secret files, in the model of every profile combination:
+    only the router is published, no service runs as root or privileged, the
+    images end non-root, and no secret value reaches the rendered output.
+    (Moved from the e2e fault suite: it needs no running stack.)"""
+    import os
+
+    from tests.test_docker import user_violations
+
+    secrets = {}
+    for name in ("hf_token", "api_key", "grafana_admin_password"):
+        secrets[name] = f"{name}-{os.urandom(8).hex()}"
+        (tmp_path / name).write_text(secrets[name])
+    env = {
+        **read_env_file(DOTENV),
+        **{f"{name.upper()}_FILE": str(tmp_path / name) for name in secrets},
+    }
+    problems: list[str] = []
+    rendered = ""
+    for profiles in PROFILE_SETS:
+        model = compose_config(profiles, env)
+        rendered += json.dumps(model)
+        problems += port_violations(model, ports()) + secret_violations(model)
+        for name, service in model["services"].items():
+            if str(service.get("user", "")).split(":")[0] in ("0", "root"):
+                problems.append(f"{name}: runs as root")
+            if service.get("privileged"):
+                problems.append(f"{name}: privileged")
+    default = compose_config((), env)
+    published = {
+        n: s["ports"] for n, s in default["services"].items() if s.get("ports")
+    }
+    internal = {ports()[k] for k in ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT")}
+    exposed = {
+        str(p.get("published", "")) for entries in published.values() for p in entries
+    }
+    images = sorted((ROOT / "docker").glob("*.Dockerfile"))
+    users = [v for f in images for v in user_violations(f.name, f.read_text())]
+    leaked = [name for name, value in secrets.items() if value in rendered]
+    assert problems == []
+    assert list(published) == ["router"]
+    assert not internal & exposed
+    assert users == []
+    assert leaked == []
