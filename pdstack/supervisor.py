@@ -92,13 +92,6 @@ def port_in_use(port: int) -> bool:
         return probe.connect_ex((HOST, port)) == 0
 
 
-def _reap(pid: int) -> None:
-    """Collect ``pid`` if it is our exited child (a zombie still has a pid
-    and a group)."""
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
-
-
 def describe(proc: psutil.Process) -> str:
     try:
         # cmdline: vLLM's titles (VLLM::EngineCore) are longer than a comm.
@@ -122,16 +115,7 @@ class Record:
 
     def leader(self) -> psutil.Process | None:
         """The recorded process, if it is alive and still the one started."""
-        try:
-            proc = psutil.Process(self.pid)
-            if abs(proc.create_time() - self.create_time) >= SAME_START_S:
-                return None
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                return proc
-        except psutil.Error:
-            return None
-        _reap(self.pid)
-        return None
+        return next((p for p in self.members() if p.pid == self.pid), None)
 
     def members(self) -> list[psutil.Process]:
         """The group's live processes, the leader's orphans included; none if
@@ -150,10 +134,12 @@ class Record:
                 or (proc.pid == self.pid and started > self.create_time + SAME_START_S)
             ):
                 return []
-            if proc.info["status"] == psutil.STATUS_ZOMBIE:
-                _reap(proc.pid)
-            else:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE:
                 found.append(proc)
+                continue
+            # Exited: collect it if it is our child (a zombie keeps its group).
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(proc.pid, os.WNOHANG)
         return found
 
 
