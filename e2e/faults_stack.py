@@ -13,7 +13,6 @@ stack over; the cases that would kill something skip.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator, Mapping
 from unittest import mock
 
@@ -27,7 +26,7 @@ from faults_helpers import (
     progress,
     settings,
 )
-from pdstack import config, twin
+from pdstack import config, supervisor, twin
 
 # Development: PD_FAULTS_KEEP=1 leaves the fault stack running after the
 # session and reuses it on the next run (restarted roles stay restarted).
@@ -53,12 +52,6 @@ def fault_ports(base: config.Ports, offsets: Mapping[str, int]) -> dict[str, str
     return {name: str(values[name] + offsets.get(name, 0)) for name in PORT_NAMES}
 
 
-def port_in_use(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.settimeout(0.5)
-        return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
 @pytest.fixture(scope="session")
 def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
     """The stack the fault cases break, with its idle state and bounds."""
@@ -81,7 +74,7 @@ def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
     env = fault_ports(config.ports(), cfg["port_offsets"])
     # Prefill's side channel listens beside its bootstrap port: free it too.
     wanted = [*map(int, env.values()), config.ports(env).side_channel]
-    busy = [port for port in wanted if port_in_use(port)]
+    busy = [port for port in wanted if supervisor.port_in_use(port)]
     if busy and not os.environ.get(KEEP_ENV):
         pytest.fail(f"fault stack ports in use: {busy} (configs/faults.yaml offsets)")
     role_env = {

@@ -6,12 +6,13 @@ The suite's stack, bounds and results table: faults_helpers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import requests
@@ -35,6 +36,7 @@ from faults_helpers import (
 )
 from pdstack import metrics as m
 from pdstack import twin, wait
+from pdstack.supervisor import Processes
 
 pytest_plugins = ["faults_stack"]
 
@@ -157,27 +159,20 @@ def route_env(stack: FaultStack, key_file: Path) -> dict[str, str]:
     }
 
 
-# TODO(issue 15): start and stop through pdstack's process supervisor once it
-# lands (one home for process trees); until then a process group of our own.
-def start_route(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "pdstack.route", *args],
-        env={**os.environ, **env},
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+@contextlib.contextmanager
+def route(env: dict[str, str], name: str, *args: str) -> Iterator[Processes]:
+    """``pdstack.route`` on ``env``'s ports, log ``RUN_DIR/<name>.log``,
+    stopped with its whole process group at the end. Its own state file: the
+    fault stack's is the twin's."""
+    procs = Processes(RUN_DIR, f"{name}.json", progress)
+    argv = [sys.executable, "-m", "pdstack.route", *args]
+    # pdstack from this checkout, wherever pytest was started.
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    procs.launch(name, argv, {**env, "PYTHONPATH": path})
+    try:
+        yield procs
+    finally:
+        procs.stop()
 
 
 def test_router_with_an_api_key_refuses_requests_without_it(
@@ -190,11 +185,11 @@ def test_router_with_an_api_key_refuses_requests_without_it(
     env = route_env(faults, key_file)
     url = f"http://{twin.HOST}:{env['ROUTER_PORT']}"
     inner = f"http://{twin.HOST}:{env['ROUTER_INTERNAL_PORT']}"
-    log = RUN_DIR / "router-api-key.log"
     body = greedy(faults.prompt(24, salt=3500), 6)
     (expected,) = references(faults, [body])
-    proc = start_route(env, log)
-    try:
+    with route(env, "router-api-key") as procs:
+        log = procs.log("router-api-key")
+        proc = procs.popen["router-api-key"]
         wait.until_healthy("api-key router", url, 60, proc, log, progress)
         wait.until_healthy("vllm-router behind it", inner, 60, None, log, progress)
         outcomes = {
@@ -203,12 +198,8 @@ def test_router_with_an_api_key_refuses_requests_without_it(
             "key": post(url, body, headers={"Authorization": f"Bearer {key}"}),
         }
         health = requests.get(f"{url}/health", timeout=10).status_code
-        cmdlines = [
-            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            for pid in _group(proc.pid)
-        ]
-    finally:
-        stop(proc)
+        group = procs.records()["router-api-key"].members()
+        cmdlines = [" ".join(p.cmdline()) for p in group]
     logged = log.read_text(errors="replace")
     statuses = {name: o.status for name, o in outcomes.items()}
     record(
@@ -226,13 +217,6 @@ def test_router_with_an_api_key_refuses_requests_without_it(
     assert key not in logged, "key in the router's log"
 
 
-def _group(pgid: int) -> list[int]:
-    out = subprocess.run(
-        ["pgrep", "-g", str(pgid)], capture_output=True, text=True, check=False
-    ).stdout
-    return [int(pid) for pid in out.split()]
-
-
 def test_negative_control_vllm_router_alone_serves_without_the_key(
     faults: FaultStack, tmp_path: Path
 ) -> None:
@@ -244,11 +228,10 @@ def test_negative_control_vllm_router_alone_serves_without_the_key(
     key_file.write_text("pd-" + os.urandom(12).hex())
     env = route_env(faults, key_file)
     inner = f"http://{twin.HOST}:{env['ROUTER_INTERNAL_PORT']}"
-    log = RUN_DIR / "router-backend-only.log"
     body = greedy(faults.prompt(12, salt=3510), 2)
     (expected,) = references(faults, [body])
-    proc = start_route(env, log, "--backend")
-    try:
+    with route(env, "router-backend-only", "--backend") as procs:
+        proc, log = procs.popen["router-backend-only"], procs.log("router-backend-only")
         wait.until_healthy("vllm-router --api-key", inner, 60, proc, log, progress)
         before = counters(faults)
         got = post(inner, body, timeout=60)
@@ -258,8 +241,6 @@ def test_negative_control_vllm_router_alone_serves_without_the_key(
             lambda d: d.total(m.EXTERNAL_HITS) >= len(body["prompt"]),
         )
         p = m.scrape(faults.prefill) - before["prefill"]
-    finally:
-        stop(proc)
     print(
         f"vllm-router alone, no key presented: HTTP {got.status}, tokens "
         f"{got.token_ids} (reference {expected}); prefill transfers "
