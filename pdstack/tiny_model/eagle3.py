@@ -1,6 +1,9 @@
 """vLLM's Eagle3 draft forward (llama_eagle3.py) in plain PyTorch, over whole
 sequences at once, so the draft's lm_head can be fitted on every decode
 position of the probes in one pass.
+
+It is a second implementation of vLLM's draft, so tests/test_eagle3_pin.py pins
+it to vLLM's own Eagle3LlamaForCausalLM fed the same inputs.
 """
 
 from __future__ import annotations
