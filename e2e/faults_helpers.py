@@ -131,19 +131,16 @@ def post(
     headers: Mapping[str, str] | None = None,
     path: str = "/v1/completions",
 ) -> Outcome:
+    # A raw body is sent as given, declared JSON (the router must parse it).
+    sent = {"data": raw} if raw is not None else {"json": body}
     start = time.monotonic()
     try:
-        if raw is not None:
-            answer = requests.post(
-                url + path,
-                data=raw,
-                headers={"Content-Type": "application/json", **(headers or {})},
-                timeout=timeout,
-            )
-        else:
-            answer = requests.post(
-                url + path, json=body, headers=dict(headers or {}), timeout=timeout
-            )
+        answer = requests.post(
+            url + path,
+            headers={"Content-Type": "application/json", **(headers or {})},
+            timeout=timeout,
+            **sent,
+        )
     except requests.RequestException as exc:
         return Outcome(None, repr(exc), time.monotonic() - start)
     return Outcome(answer.status_code, answer.text, time.monotonic() - start)

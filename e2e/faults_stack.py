@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import asdict
 from unittest import mock
 
 import pytest
@@ -31,25 +32,13 @@ from pdstack import config, supervisor, twin
 # Development: PD_FAULTS_KEEP=1 leaves the fault stack running after the
 # session and reuses it on the next run (restarted roles stay restarted).
 KEEP_ENV = "PD_FAULTS_KEEP"
-PORT_NAMES = (
-    "ROUTER_PORT",
-    "PREFILL_PORT",
-    "DECODE_PORT",
-    "BOOTSTRAP_PORT",
-    "ROUTER_METRICS_PORT",
-)
 
 
 def fault_ports(base: config.Ports, offsets: Mapping[str, int]) -> dict[str, str]:
-    """The fault stack's port variables: the session twin's, moved."""
-    values = {
-        "ROUTER_PORT": base.router,
-        "PREFILL_PORT": base.prefill,
-        "DECODE_PORT": base.decode,
-        "BOOTSTRAP_PORT": base.bootstrap,
-        "ROUTER_METRICS_PORT": base.router_metrics,
-    }
-    return {name: str(values[name] + offsets.get(name, 0)) for name in PORT_NAMES}
+    """The fault stack's port variables (configs/ports.env's names): the
+    session twin's ports, moved."""
+    names = {f"{field.upper()}_PORT": port for field, port in asdict(base).items()}
+    return {name: str(port + offsets.get(name, 0)) for name, port in names.items()}
 
 
 @pytest.fixture(scope="session")
