@@ -16,7 +16,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -183,11 +183,6 @@ def stream_then_leave(
     finally:
         answer.close()
     return answer.status_code, read, time.monotonic() - start
-
-
-def timed(pool: ThreadPoolExecutor, fn: Callable[[], Outcome]) -> Future:
-    """Submit; the result is (outcome, monotonic time it ended)."""
-    return pool.submit(lambda: (fn(), time.monotonic()))
 
 
 def require_owned(stack: FaultStack, why: str) -> None:

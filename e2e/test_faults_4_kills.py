@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from unittest import mock
 
@@ -32,7 +33,6 @@ from faults_helpers import (
     references,
     require_owned,
     state,
-    timed,
     wait_idle,
 )
 from pdstack import metrics as m
@@ -67,31 +67,37 @@ def _restart(stack: FaultStack, role: str) -> tuple[float, dict[str, int]]:
         return took, twin.running(RUN_DIR)
 
 
+def _send(pool: ThreadPoolExecutor, stack: FaultStack, bodies: list) -> list[Future]:
+    """Each body through the router; a result is (outcome, time it ended)."""
+
+    def one(body: dict[str, Any]) -> tuple[Outcome, float]:
+        return post(stack.router, body, timeout=300), time.monotonic()
+
+    return [pool.submit(one, body) for body in bodies]
+
+
+def _kill_when(role: str, busy: Callable[[], bool], what: str) -> float:
+    """SIGKILL ``role`` once ``busy()`` (at most 120 s); the time of the kill."""
+    wait.poll(busy, bool, 120, what, interval_s=0.2)
+    twin.kill(role, RUN_DIR, progress=progress)
+    return time.monotonic()
+
+
 def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
     require_owned(faults, "kills and restarts decode")
-    with mock.patch.dict(os.environ, faults.env):
-        pids = twin.running(RUN_DIR)
+    pids = twin.running(RUN_DIR)
     bodies = [greedy(faults.prompt(30 + 7 * i, salt=4000 + i), 300) for i in range(8)]
     late = [greedy(faults.prompt(45 + 5 * i, salt=4100 + i), 8) for i in range(4)]
     before = m.scrape(faults.prefill)
     with ThreadPoolExecutor(max_workers=16) as pool:
-        first = [
-            timed(pool, lambda b=b: post(faults.router, b, timeout=300)) for b in bodies
-        ]
-        wait.poll(
-            lambda: state(faults, ("decode",))["decode_requests"],
-            lambda n: n >= 4,
-            120,
+        first = _send(pool, faults, bodies)
+        killed_at = _kill_when(
+            "decode",
+            lambda: state(faults, ("decode",))["decode_requests"] >= 4,
             "4 requests on decode",
-            interval_s=0.2,
         )
-        with mock.patch.dict(os.environ, faults.env):
-            twin.kill("decode", RUN_DIR, progress=progress)
-        killed_at = time.monotonic()
         # Before the router notices: the prefill leg runs, the decode leg cannot.
-        second = [
-            timed(pool, lambda b=b: post(faults.router, b, timeout=300)) for b in late
-        ]
+        second = _send(pool, faults, late)
         results = [f.result() for f in first + second]
     held = m.scrape(faults.prefill).total(m.KV_USAGE)
     terminal = max(end - killed_at for _, end in results)
@@ -146,26 +152,18 @@ def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
 
 def test_prefill_killed_with_requests_in_flight(faults: FaultStack) -> None:
     require_owned(faults, "kills and restarts prefill")
-    with mock.patch.dict(os.environ, faults.env):
-        pids = twin.running(RUN_DIR)
+    pids = twin.running(RUN_DIR)
     ids_before = engine_ids(faults.bootstrap)
     # Long prompts: prefill is busy for seconds, some transfers are under way.
     bodies = [greedy(faults.prompt(600 + 40 * i, salt=4300 + i), 16) for i in range(12)]
     started = m.scrape(faults.prefill)
     with ThreadPoolExecutor(max_workers=12) as pool:
-        futures = [
-            timed(pool, lambda b=b: post(faults.router, b, timeout=300)) for b in bodies
-        ]
-        wait.poll(
+        futures = _send(pool, faults, bodies)
+        killed_at = _kill_when(
+            "prefill",
             lambda: _prefill_at_work(faults.prefill, started),
-            bool,
-            120,
             "prefill at work on the prompts",
-            interval_s=0.2,
         )
-        with mock.patch.dict(os.environ, faults.env):
-            twin.kill("prefill", RUN_DIR, progress=progress)
-        killed_at = time.monotonic()
         results = [f.result() for f in futures]
         while_dead = post(faults.router, greedy(faults.prompt(20, salt=4399), 4))
     statuses = [o.status for o, _ in results]
