@@ -1,8 +1,9 @@
 """Mooncake's transfer engine alone, over TCP on loopback, against this machine's
 ceilings measured in the same run.
 
-Two processes, as plugin/tests/test_transfer.py does: this one writes, a spawned
-receiver owns the destination buffer. For each size the same bytes go three ways:
+Two processes (bench.loopback, the harness of the plugin's transfer tests too):
+this one writes, a spawned receiver owns the destination buffer. For each size
+the same bytes go three ways:
 
 - ``engine``: one ``batch_transfer_sync_write`` descriptor (Mooncake acknowledges
   a TCP write once the receiver has it, so one call is one delivered copy);
@@ -19,8 +20,6 @@ report a throughput.
 
 from __future__ import annotations
 
-import hashlib
-import multiprocessing as mp
 import os
 import socket
 import struct
@@ -29,10 +28,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
-HOST = "127.0.0.1"
+from bench import loopback
+from bench.loopback import HOST, digest
+
 DEADLINE_S = 120.0
 # Bytes of one tiny-profile MLA block (16 tokens x 576 float32 values).
 KV_BLOCK_BYTES = 36864
@@ -50,19 +52,6 @@ TUNED_MIN_BYTES = 1 << 20
 
 class TransferBenchError(RuntimeError):
     pass
-
-
-def digest(buffer: np.ndarray, size: int) -> str:
-    return hashlib.blake2b(memoryview(buffer[:size]), digest_size=16).hexdigest()
-
-
-def _new_engine() -> Any:
-    from mooncake.engine import TransferEngine
-
-    engine = TransferEngine()
-    if engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "") != 0:
-        raise TransferBenchError("Mooncake TransferEngine did not initialize on TCP")
-    return engine
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> None:
@@ -92,28 +81,19 @@ def _socket_server(listener: socket.socket, buffer: np.ndarray) -> None:
             conn.sendall(b"\x01")
 
 
-def receiver(control: Any, capacity: int, env: Mapping[str, str]) -> None:
-    """The receiving process: a registered buffer, an engine, a socket server."""
-    os.environ.update(env)
-    buffer = np.zeros(capacity, dtype=np.uint8)
-    engine = _new_engine()
-    if engine.register_memory(buffer.ctypes.data, capacity) != 0:
-        raise TransferBenchError("receiver: register_memory failed")
-    listener = socket.create_server((HOST, 0))
-    threading.Thread(
-        target=_socket_server, args=(listener, buffer), daemon=True
-    ).start()
-    control.send((engine.get_rpc_port(), buffer.ctypes.data, listener.getsockname()[1]))
-    while True:
-        command, size = control.recv()
-        if command == "clear":
-            buffer[:size] = 0
-            control.send(True)
-        elif command == "digest":
-            control.send(digest(buffer, size))
-        else:
-            control.send(None)
-            return
+class Receiver(loopback.Endpoint):
+    """The receiving process: a registered buffer that a socket server also
+    writes into."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.listener = socket.create_server((HOST, 0))
+        threading.Thread(
+            target=_socket_server, args=(self.listener, self.data), daemon=True
+        ).start()
+
+    def socket_port(self) -> int:
+        return self.listener.getsockname()[1]
 
 
 @dataclass
@@ -169,38 +149,28 @@ def run(
     negative control, showing that the arrival check catches misplaced bytes.
     """
     env = dict(env or {})
-    os.environ.update(env)
     capacity = max(sizes)
-    ctx = mp.get_context("spawn")
-    parent_end, child_end = ctx.Pipe()
-    proc = ctx.Process(
-        target=receiver, args=(child_end, capacity + misaddress, env), daemon=True
-    )
-    proc.start()
     samples: list[Sample] = []
-    try:
-        if not parent_end.poll(DEADLINE_S):
-            raise TransferBenchError("receiver did not start in time")
-        rpc_port, remote_addr, socket_port = parent_end.recv()
+    # Both processes under ``env``: the receiver inherits it when spawned.
+    with (
+        mock.patch.dict(os.environ, env),
+        loopback.Peer(Receiver, capacity + misaddress, deadline_s=DEADLINE_S) as peer,
+    ):
+        session, remote_addr = peer.call("address")
         remote_addr += misaddress
-
-        def ask(command: str, size: int) -> Any:
-            parent_end.send((command, size))
-            if not parent_end.poll(DEADLINE_S):
-                raise TransferBenchError(f"receiver did not answer {command!r}")
-            return parent_end.recv()
-
-        source = np.random.default_rng(0).integers(0, 256, capacity, dtype=np.uint8)
+        sender = loopback.Endpoint(capacity)
+        sender.data[:] = np.random.default_rng(0).integers(
+            0, 256, capacity, dtype=np.uint8
+        )
+        source, source_addr = sender.data, sender.base
         scratch = np.empty(capacity, dtype=np.uint8)
-        engine = _new_engine()
-        if engine.register_memory(source.ctypes.data, capacity) != 0:
-            raise TransferBenchError("sender: register_memory failed")
-        session = f"{HOST}:{rpc_port}"
-        sock = socket.create_connection((HOST, socket_port), timeout=DEADLINE_S)
+        sock = socket.create_connection(
+            (HOST, peer.call("socket_port")), timeout=DEADLINE_S
+        )
         source_view = memoryview(source)
 
         def engine_write(src: list[int], dst: list[int], lens: list[int]) -> None:
-            code = engine.batch_transfer_sync_write(session, src, dst, lens)
+            code = sender.write(session, src, dst, lens)
             if code != 0:
                 raise TransferBenchError(f"batch_transfer_sync_write returned {code}")
 
@@ -211,7 +181,7 @@ def run(
                 raise TransferBenchError("socket receiver did not acknowledge")
 
         # Connection set-up and handshakes are not part of any sample.
-        engine_write([source.ctypes.data], [remote_addr], [min(sizes)])
+        engine_write([source_addr], [remote_addr], [min(sizes)])
         socket_write(min(sizes))
 
         for size in sorted(sizes):
@@ -221,14 +191,12 @@ def run(
                 sample = Sample(method, size, repeats_for(size))
                 if method in ("engine", TUNED_METHOD):
                     sample.env = dict(env)
-                    src, dst, lens = [source.ctypes.data], [remote_addr], [size]
+                    src, dst, lens = [source_addr], [remote_addr], [size]
 
                     def once(src=src, dst=dst, lens=lens) -> None:
                         engine_write(src, dst, lens)
                 elif method == "engine_kv_blocks":
-                    src, dst, lens = kv_descriptors(
-                        size, source.ctypes.data, remote_addr
-                    )
+                    src, dst, lens = kv_descriptors(size, source_addr, remote_addr)
                     if len(src) > MAX_KV_DESCRIPTORS:
                         continue
                     sample.descriptors = len(src)
@@ -253,12 +221,12 @@ def run(
                     if memcpy:
                         scratch[:size] = 0
                     else:
-                        ask("clear", size)
+                        peer.call("clear", size)
                     start = time.perf_counter()
                     for _ in range(sample.repeats_per_sample):
                         once()
                     sample.seconds.append(time.perf_counter() - start)
-                    got = digest(scratch, size) if memcpy else ask("digest", size)
+                    got = digest(scratch, size) if memcpy else peer.call("digest", size)
                     if got != want:
                         sample.verified = False
                         raise TransferBenchError(
@@ -279,12 +247,6 @@ def run(
                 )
         sock.sendall(struct.pack("<Q", 0))
         sock.close()
-        ask("stop", 0)
-        proc.join(timeout=10)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
     return samples
 
 
@@ -293,8 +255,7 @@ def run_tuned(
     repeats: int = 5,
     progress: Callable[[str], None] = print,
 ) -> list[Sample]:
-    """The engine with ``TUNED_ENV``, for sizes from ``TUNED_MIN_BYTES``. Run it
-    in a process of its own or after ``run``: the setting stays in os.environ."""
+    """The engine with ``TUNED_ENV``, for sizes from ``TUNED_MIN_BYTES``."""
     chosen = [size for size in sizes if size >= TUNED_MIN_BYTES]
     if not chosen:
         return []

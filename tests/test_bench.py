@@ -20,7 +20,15 @@ from typing import Any
 import pytest
 import requests
 
-from bench import http_tap, kv_transfer, levels, report, router_overhead, settings
+from bench import (
+    http_tap,
+    kv_transfer,
+    levels,
+    loopback,
+    report,
+    router_overhead,
+    settings,
+)
 from bench import transfer_engine as te
 from bench.stack import free_port
 from bench.targets import judge
@@ -61,6 +69,19 @@ def test_transfer_engine_check_catches_misplaced_bytes() -> None:
     with pytest.raises(te.TransferBenchError, match="bytes differ"):
         te.run([64 << 10], repeats=1, methods=("engine",), misaddress=4096,
                progress=lambda _: None)  # fmt: skip
+
+
+def test_a_failing_peer_is_reported_not_waited_for() -> None:
+    """The two-process harness (also the plugin's transfer tests'): a peer
+    that raises says why, one that has exited says so at once."""
+    with pytest.raises(loopback.PeerError, match="start: ValueError"):
+        loopback.Peer(loopback.Endpoint, -1)
+    with loopback.Peer(loopback.Endpoint, 16) as peer:
+        assert peer.call("read") == bytes(16)
+        with pytest.raises(loopback.PeerError, match="no attribute 'nope'"):
+            peer.call("nope")
+        with pytest.raises(loopback.PeerError, match="exited"):
+            peer.call("read")
 
 
 def test_kv_descriptors_cover_the_bytes_once() -> None:

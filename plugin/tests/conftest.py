@@ -13,7 +13,6 @@ import torch
 import zmq.asyncio
 
 pytest.importorskip("vllm")
-from mooncake.engine import TransferEngine
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -22,6 +21,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 import pd_mooncake
+from bench.loopback import tcp_engine
 
 MLA_LAYER = "model.layers.0.self_attn.attn"
 DRAFT_LAYER = "model.layers.8.self_attn.attn"
@@ -44,9 +44,7 @@ class RecordingEngine:
     """A real TransferEngine that also remembers what was registered."""
 
     def __init__(self) -> None:
-        self.engine = TransferEngine()
-        if self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise RuntimeError("Mooncake TransferEngine did not initialize on TCP")
+        self.engine = tcp_engine()
         self.registered: list[tuple[list[int], list[int]]] = []
 
     def batch_register_memory(self, ptrs: list[int], lens: list[int]) -> int:
@@ -80,13 +78,15 @@ def mixed_caches() -> dict[str, torch.Tensor]:
     }
 
 
-def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
+def kv_cache_config(
+    num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE
+) -> KVCacheConfig:
     mla = MLAAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=96, dtype=torch.float32
+        block_size=block_size, num_kv_heads=1, head_size=96, dtype=torch.float32
     )
     # K and V halves: 2 * 16 * 4 * 64 floats = one (16, 8, 64) block.
     gqa = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=4, head_size=64, dtype=torch.float32
+        block_size=block_size, num_kv_heads=4, head_size=64, dtype=torch.float32
     )
     return KVCacheConfig(
         num_blocks=num_blocks,
@@ -99,14 +99,21 @@ def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
 
 
 def make_worker(
-    cls: type, engine: Any, *, backport: bool, ratio: int = 1, consumer: bool = True
+    cls: type,
+    engine: Any,
+    *,
+    backport: bool,
+    ratio: int = 1,
+    consumer: bool = True,
+    num_blocks: int = NUM_BLOCKS,
 ) -> Any:
-    """A worker with only the state registration reads (MLA topology set).
+    """A worker with only the state registration reads (MLA topology set):
+    ``num_blocks`` logical blocks of ``ratio`` 16-token kernel blocks each.
 
     The full constructor needs a running vLLM (distributed groups, bootstrap
     server); registration itself only needs these fields.
     """
-    config = kv_cache_config()
+    config = kv_cache_config(num_blocks, BLOCK_SIZE * ratio)
     worker = object.__new__(cls)
     worker.use_mla = True
     worker.engine = engine
@@ -118,7 +125,7 @@ def make_worker(
     # Registration state as upstream's constructor initialises it.
     for name in REGISTRATION_STATE:
         setattr(worker, name, [])
-    worker.block_size = BLOCK_SIZE
+    worker.block_size = BLOCK_SIZE * ratio
     worker.kv_cache_config = config
     worker._physical_blocks_per_logical_kv_block = ratio
     worker._layer_specs = {

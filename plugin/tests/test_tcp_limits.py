@@ -9,61 +9,35 @@ the plugin sets.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
-from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
-from conftest import RecordingEngine
+from bench.loopback import Endpoint, Peer
 from pd_mooncake import tcp_limits
 
 DESCRIPTORS = 256 * 9
 DESCRIPTOR_BYTES = 36864
-DEADLINE_S = 60.0
-
-
-def receiver(to_sender: Any, from_sender: Any, nbytes: int) -> None:
-    engine = RecordingEngine()
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    engine.batch_register_memory([buf.data_ptr()], [nbytes])
-    to_sender.put((engine.engine.get_rpc_port(), buf.data_ptr()))
-    from_sender.get(timeout=DEADLINE_S)
-    to_sender.put(buf.numpy().tobytes())
 
 
 def scattered_write(environ: dict[str, str]) -> tuple[int, bytes, torch.Tensor]:
     """Every other descriptor-sized slot, under ``environ`` in both processes."""
     nbytes = 2 * DESCRIPTORS * DESCRIPTOR_BYTES
-    saved = dict(os.environ)
-    os.environ.update(environ)
-    ctx = mp.get_context("spawn")
-    to_sender, from_sender = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(
-        target=receiver, args=(to_sender, from_sender, nbytes), daemon=True
-    )
-    try:
-        proc.start()
-        port, remote = to_sender.get(timeout=DEADLINE_S)
-        engine = RecordingEngine()
+    with mock.patch.dict(os.environ, environ), Peer(Endpoint, nbytes) as decode:
+        session, remote = decode.call("address")
+        sender = Endpoint(nbytes)
         source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        engine.batch_register_memory([source.data_ptr()], [nbytes])
+        sender.data[:] = source.numpy()
         offsets = [2 * i * DESCRIPTOR_BYTES for i in range(DESCRIPTORS)]
-        status = engine.engine.batch_transfer_sync_write(
-            f"127.0.0.1:{port}",
-            [source.data_ptr() + o for o in offsets],
+        status = sender.write(
+            session,
+            [sender.base + o for o in offsets],
             [remote + o for o in offsets],
             [DESCRIPTOR_BYTES] * DESCRIPTORS,
         )
-        from_sender.put("done")
-        received = to_sender.get(timeout=DEADLINE_S)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
+        received = decode.call("read")
     return status, received, source
 
 

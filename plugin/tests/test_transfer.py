@@ -14,7 +14,6 @@ of the receiver untouched.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,13 +23,8 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MLAAttentionSpec,
-)
 
+from bench.loopback import Peer
 from conftest import DRAFT_LAYER, MLA_LAYER, RecordingEngine, make_worker
 from pd_mooncake import registration
 from pd_mooncake.connector import PDMooncakeConnectorWorker
@@ -45,46 +39,22 @@ PREFILL_BLOCKS = [1, 3]
 DECODE_BLOCKS = [0, 2]
 
 
-def transfer_config() -> KVCacheConfig:
-    """The KV cache config of a 32-token logical block (MLA target, Eagle GQA
-    draft), served by 16-token kernel blocks."""
-    logical = 16 * RATIO
-    mla = MLAAttentionSpec(
-        block_size=logical, num_kv_heads=1, head_size=96, dtype=torch.float32
-    )
-    gqa = FullAttentionSpec(
-        block_size=logical, num_kv_heads=4, head_size=64, dtype=torch.float32
-    )
-    return KVCacheConfig(
-        num_blocks=LOGICAL_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec([MLA_LAYER], mla),
-            KVCacheGroupSpec([DRAFT_LAYER], gqa, is_eagle_group=True),
-        ],
-    )
-
-
 def connector_worker(
     caches: dict[str, torch.Tensor], *, consumer: bool, backport: bool
 ) -> tuple[Any, RecordingEngine]:
     """A PDMooncakeConnectorWorker (TP 1, PP 1) that registered ``caches``
     with a real TransferEngine through its own register_kv_caches."""
     engine = RecordingEngine()
+    # 32-token logical blocks (MLA target, Eagle GQA draft), each served by
+    # two 16-token kernel blocks.
     worker = make_worker(
         PDMooncakeConnectorWorker,
         engine,
         backport=backport,
         ratio=RATIO,
         consumer=consumer,
+        num_blocks=LOGICAL_BLOCKS,
     )
-    worker.kv_cache_config = transfer_config()
-    worker._layer_specs = {
-        name: group.kv_cache_spec
-        for group in worker.kv_cache_config.kv_cache_groups
-        for name in group.layer_names
-    }
-    worker.block_size = 16 * RATIO
     worker.tp_size, worker.tp_rank, worker.pp_size = 1, 0, 1
     worker.transfer_topo = SimpleNamespace(local_replicates_kv_cache=False)
     worker.hostname = "127.0.0.1"
@@ -98,32 +68,44 @@ def connector_worker(
     return worker, engine
 
 
-def receiver(to_sender: Any, from_sender: Any, backport: bool) -> None:
-    """Decode side: register zeroed caches, send the pull metadata upstream's
-    decode sends, wait, report what arrived."""
-    caches = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
-    worker, _engine = connector_worker(caches, consumer=True, backport=backport)
-    # As MooncakeConnectorWorker.receive_kv_from_single_worker builds it.
-    metadata = upstream.MooncakeXferMetadata(
-        remote_hostname=worker.hostname,
-        remote_port=worker.rpc_port,
-        remote_tp_size=worker.tp_size,
-        remote_tp_rank=worker.tp_rank,
-        remote_pp_size=worker.pp_size,
-        req_blocks={"d-req": ("xfer-1", [DECODE_BLOCKS, DECODE_BLOCKS])},
-        kv_caches_base_addr=worker.kv_caches_base_addr,
-        block_lens=worker.block_len_per_layer,
-        kv_block_lens=worker.kv_block_len_per_layer,
-        registered_layer_names=worker.registered_layer_names,
-        registered_layer_indices=worker.registered_layer_indices,
-        registered_group_indices=worker.registered_group_indices,
-        registered_shared_group_ids=[list(g) for g in worker.region_shared_groups],
-        registered_row_offsets=worker.region_row_offsets,
-    )
-    to_sender.put(msgspec.msgpack.encode(metadata))
-    from_sender.get(timeout=DEADLINE_S)  # "done"
-    # Plain bytes: tensors would travel as shared memory that dies with us.
-    to_sender.put({name: cache.numpy().tobytes() for name, cache in caches.items()})
+class Decode:
+    """Decode's side, in a process of its own: zeroed caches registered by its
+    connector worker."""
+
+    def __init__(self, backport: bool) -> None:
+        self.caches = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+        self.worker, self.engine = connector_worker(
+            self.caches, consumer=True, backport=backport
+        )
+
+    def metadata(self) -> bytes:
+        """The pull metadata upstream's decode sends, msgspec-encoded, as
+        MooncakeConnectorWorker.receive_kv_from_single_worker builds it."""
+        worker = self.worker
+        return msgspec.msgpack.encode(
+            upstream.MooncakeXferMetadata(
+                remote_hostname=worker.hostname,
+                remote_port=worker.rpc_port,
+                remote_tp_size=worker.tp_size,
+                remote_tp_rank=worker.tp_rank,
+                remote_pp_size=worker.pp_size,
+                req_blocks={"d-req": ("xfer-1", [DECODE_BLOCKS, DECODE_BLOCKS])},
+                kv_caches_base_addr=worker.kv_caches_base_addr,
+                block_lens=worker.block_len_per_layer,
+                kv_block_lens=worker.kv_block_len_per_layer,
+                registered_layer_names=worker.registered_layer_names,
+                registered_layer_indices=worker.registered_layer_indices,
+                registered_group_indices=worker.registered_group_indices,
+                registered_shared_group_ids=[
+                    list(g) for g in worker.region_shared_groups
+                ],
+                registered_row_offsets=worker.region_row_offsets,
+            )
+        )
+
+    def read(self) -> dict[str, bytes]:
+        # Plain bytes: tensors would travel as shared memory that dies with us.
+        return {name: cache.numpy().tobytes() for name, cache in self.caches.items()}
 
 
 def transfer(
@@ -131,15 +113,9 @@ def transfer(
 ) -> tuple[dict, dict, list[int], list[int], Any]:
     """Send PREFILL_BLOCKS into decode's DECODE_BLOCKS; returns (sent caches,
     received caches, prefill kernel ids, decode kernel ids, the worker)."""
-    ctx = mp.get_context("spawn")
-    to_sender, from_sender = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(
-        target=receiver, args=(to_sender, from_sender, backport), daemon=True
-    )
-    proc.start()
-    try:
+    with Peer(Decode, backport, deadline_s=DEADLINE_S) as decode:
         meta = msgspec.msgpack.decode(
-            to_sender.get(timeout=DEADLINE_S), type=upstream.MooncakeXferMetadata
+            decode.call("metadata"), type=upstream.MooncakeXferMetadata
         )
         generator = torch.Generator().manual_seed(1)
         caches = {n: torch.randn(s, generator=generator) for n, s in SHAPES.items()}
@@ -162,17 +138,12 @@ def transfer(
         worker.engine = engine.engine  # the TransferEngine itself sends
         session = f"{meta.remote_hostname}:{meta.remote_port}"
         assert worker._send_blocks(session, src, dst, lens) == 0
-        from_sender.put("done")
         received = {
             name: torch.frombuffer(bytearray(raw), dtype=torch.float32).view(
                 SHAPES[name]
             )
-            for name, raw in to_sender.get(timeout=DEADLINE_S).items()
+            for name, raw in decode.call("read").items()
         }
-    finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
     return (
         caches,
         received,

@@ -1,0 +1,138 @@
+"""Mooncake TransferEngines over TCP on loopback, the receiving one in a
+process of its own: the one two-process harness of the transfer benchmark
+(bench/transfer_engine.py) and of the plugin's transfer tests
+(plugin/tests), so both start, wait and clean up the same way.
+
+``Peer(cls, *args)`` builds ``cls(*args)`` in a spawned process and runs its
+methods there (``peer.call("read")``), each answer within a deadline, a
+peer that died or raised reported as such. ``Endpoint`` is an engine with one
+registered buffer: the usual receiver, and the usual sender. An environment
+both processes need (Mooncake reads its ``MC_*`` settings when an engine is
+created) is set around the whole exchange, e.g. with
+``unittest.mock.patch.dict(os.environ, ...)``: a spawned process inherits it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import multiprocessing as mp
+from typing import Any
+
+import numpy as np
+
+HOST = "127.0.0.1"
+DEADLINE_S = 60.0
+
+
+class PeerError(RuntimeError):
+    pass
+
+
+def tcp_engine() -> Any:
+    """A TransferEngine on loopback TCP, peers found by P2P handshake."""
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "") != 0:
+        raise PeerError("Mooncake TransferEngine did not initialize on TCP")
+    return engine
+
+
+class Endpoint:
+    """An engine with ``nbytes`` of zeroed memory registered (``data``)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.engine = tcp_engine()
+        self.data = np.zeros(nbytes, dtype=np.uint8)
+        self.base = self.data.ctypes.data
+        if self.engine.register_memory(self.base, nbytes) != 0:
+            raise PeerError("register_memory failed")
+
+    def address(self) -> tuple[str, int]:
+        """The session a sender writes to, and the buffer's address there."""
+        return f"{HOST}:{self.engine.get_rpc_port()}", self.base
+
+    def write(
+        self, session: str, src: list[int], dst: list[int], lens: list[int]
+    ) -> int:
+        """Mooncake's status: 0 once the receiver has every byte."""
+        return self.engine.batch_transfer_sync_write(session, src, dst, lens)
+
+    def read(self) -> bytes:
+        return self.data.tobytes()
+
+    def clear(self, size: int) -> None:
+        self.data[:size] = 0
+
+    def digest(self, size: int) -> str:
+        return digest(self.data, size)
+
+
+def digest(buffer: np.ndarray, size: int) -> str:
+    return hashlib.blake2b(memoryview(buffer[:size]), digest_size=16).hexdigest()
+
+
+def _serve(conn: Any, cls: type, args: tuple[Any, ...]) -> None:
+    """The peer process: answers (ok, value) to each (method, args) until None."""
+    try:
+        obj = cls(*args)
+        conn.send((True, None))
+        while (message := conn.recv()) is not None:
+            name, call_args = message
+            conn.send((True, getattr(obj, name)(*call_args)))
+    except Exception as exc:
+        conn.send((False, f"{type(exc).__name__}: {exc}"))
+
+
+class Peer:
+    """``cls(*args)`` in a spawned process (``cls`` importable by name)."""
+
+    def __init__(self, cls: type, *args: Any, deadline_s: float = DEADLINE_S) -> None:
+        self.name, self.deadline_s = cls.__name__, deadline_s
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, cls, args), daemon=True)
+        self.proc.start()
+        child.close()  # our copy: a peer that dies is then seen at once (EOF)
+        try:
+            self._answer("start")
+        except BaseException:
+            self.close()
+            raise
+
+    def _answer(self, what: str) -> Any:
+        if not self._conn.poll(self.deadline_s):
+            raise PeerError(
+                f"{self.name} did not {what} within {self.deadline_s:.0f} s"
+            )
+        try:
+            ok, value = self._conn.recv()
+        except (EOFError, OSError):
+            self.proc.join(timeout=5)
+            raise PeerError(
+                f"{self.name} exited ({self.proc.exitcode}) before {what}"
+            ) from None
+        if not ok:
+            raise PeerError(f"{self.name}.{what}: {value}")
+        return value
+
+    def call(self, method: str, *args: Any) -> Any:
+        with contextlib.suppress(OSError):  # a peer gone: _answer says so
+            self._conn.send((method, args))
+        return self._answer(method)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # a peer already gone
+            self._conn.send(None)
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+        self._conn.close()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
