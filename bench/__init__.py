@@ -6,9 +6,12 @@
 
 Modules: ``settings`` (the knobs), ``stack`` (start/stop the servers the bench
 owns), ``vllm_bench`` (vLLM's own ``vllm bench serve``, run in a subprocess),
-``kv_transfer`` (the plugin's transfer metrics per request), ``router_overhead``
+``kv_transfer`` (the plugin's transfer metrics per request), ``router_capture``
+(the router's protocol read off the wire; stub backends), ``router_overhead``
 (router vs the same two legs sent directly), ``http_tap`` (a recording proxy),
 ``transfer_engine`` (Mooncake alone vs loopback socket and memcpy ceilings),
-``memory`` (peak resident memory), ``levels`` (a run's results per level),
-``targets`` (each target judged), ``report`` (Markdown, PNG, summary).
+``loopback`` (two processes with Mooncake engines: the bench's and the plugin
+tests' harness), ``memory`` (peak resident memory), ``levels`` (a run's results
+per level), ``targets`` (each target judged), ``report`` (Markdown, PNG,
+summary).
 """

@@ -20,7 +20,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-HOST = "127.0.0.1"
+from pdstack.supervisor import HOST
+
 # Hop-by-hop headers, and those aiohttp recomputes for the relayed body.
 _DROP = {
     "connection",

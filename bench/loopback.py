@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-HOST = "127.0.0.1"
+from pdstack.supervisor import HOST
+
 DEADLINE_S = 60.0
 
 

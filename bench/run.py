@@ -32,7 +32,7 @@ from unittest import mock
 
 import psutil
 
-from bench import kv_transfer, memory, report, router_overhead, stack
+from bench import kv_transfer, memory, report, router_capture, router_overhead, stack
 from bench.settings import Settings
 from bench.vllm_bench import Level, Plan
 from pdstack import config, supervisor
@@ -151,25 +151,25 @@ def overhead_step(
     s: Settings, urls: Urls, run_dir: Path, out: Path, progress: Clock
 ) -> None:
     bootstrap_port = urls.bootstrap_port
-    bootstrap = router_overhead.bootstrap_url(urls.prefill, bootstrap_port)
+    bootstrap = router_capture.bootstrap_url(urls.prefill, bootstrap_port)
     progress("router protocol: a second router behind recording proxies")
     capture = None
     diffs: list[str] = []
     try:
-        capture = router_overhead.capture(
+        capture = router_capture.capture(
             urls.prefill, urls.decode, bootstrap_port, run_dir, s.model,
             progress=progress,
         )  # fmt: skip
-        diffs = [f"router: {d}" for d in router_overhead.differences(
+        diffs = [f"router: {d}" for d in router_capture.differences(
             capture.prefill_leg, capture.decode_leg)]  # fmt: skip
-        engine = router_overhead.engine_id(bootstrap)
-        ours = router_overhead.build_legs(
+        engine = router_capture.engine_id(bootstrap)
+        ours = router_capture.build_legs(
             {"model": s.model, "prompt": "x", "max_tokens": 4}, engine, bootstrap
         )
-        diffs += [f"direct: {d}" for d in router_overhead.differences(*ours)]
+        diffs += [f"direct: {d}" for d in router_capture.differences(*ours)]
         if not capture.legs_in_order:
             diffs.append("router: the decode leg started before prefill answered")
-    except (router_overhead.ProtocolError, OSError, RuntimeError) as exc:
+    except (router_capture.ProtocolError, OSError, RuntimeError) as exc:
         diffs.append(f"capture failed: {exc}")
     for d in diffs:
         progress(f"  protocol: {d}")
@@ -180,14 +180,14 @@ def overhead_step(
             urls.router, urls.prefill, urls.decode, bootstrap, s.model,
             s.overhead_requests, progress=progress,
         )  # fmt: skip
-    except (router_overhead.ProtocolError, OSError) as exc:
+    except (router_capture.ProtocolError, OSError) as exc:
         progress(f"  router overhead on the real stack failed: {exc}")
         diffs.append(f"real-stack measurement failed: {exc}")
     progress(f"router overhead on stub backends: {STUB_PAIRS} pairs")
     stubs = None
     try:
         stubs = router_overhead.measure_on_stubs(s.model, STUB_PAIRS, run_dir, progress)
-    except (router_overhead.ProtocolError, OSError, RuntimeError) as exc:
+    except (router_capture.ProtocolError, OSError, RuntimeError) as exc:
         progress(f"  router overhead on stubs failed: {exc}")
     data = router_overhead.to_json(result, capture, stubs)
     data["protocol_differences"] = diffs

@@ -26,14 +26,15 @@ from bench import (
     levels,
     loopback,
     report,
+    router_capture,
     router_overhead,
     settings,
 )
 from bench import transfer_engine as te
-from bench.stack import free_port
 from bench.targets import judge
 from bench.vllm_bench import Level, Plan, bench_serve_args
 from pdstack import kv_layout
+from pdstack.supervisor import free_port
 
 FIXTURE = Path(__file__).resolve().parent.parent / "bench" / "fixtures" / "small-run"
 # The CPU twin's layout (tests/test_kv_layout.py checks it against the models).
@@ -196,8 +197,8 @@ def test_transfer_cost_when_requests_share_a_transfer() -> None:
 # --- router protocol -----------------------------------------------------------
 def test_direct_legs_follow_the_router_protocol() -> None:
     body = {"model": "pd-model", "prompt": "hello", "max_tokens": 8}
-    prefill, decode = router_overhead.build_legs(body, "engine-1", "http://h:9998")
-    assert router_overhead.differences(prefill, decode) == []
+    prefill, decode = router_capture.build_legs(body, "engine-1", "http://h:9998")
+    assert router_capture.differences(prefill, decode) == []
     assert body == {"model": "pd-model", "prompt": "hello", "max_tokens": 8}
     assert decode["max_tokens"] == 8 and prefill["max_tokens"] == 1
 
@@ -206,16 +207,16 @@ def test_recorded_router_legs_follow_the_protocol() -> None:
     capture = json.loads((FIXTURE / "router_overhead.json").read_text())["capture"]
     assert capture["prefill_response_kv_params"] is None
     assert (
-        router_overhead.differences(capture["prefill_leg"], capture["decode_leg"]) == []
+        router_capture.differences(capture["prefill_leg"], capture["decode_leg"]) == []
     )
 
 
 def broken(leg: str, edit: Any) -> list[str]:
-    prefill, decode = router_overhead.build_legs(
+    prefill, decode = router_capture.build_legs(
         {"model": "m", "prompt": "p", "max_tokens": 4}, "e", "http://h:1"
     )
     edit(prefill if leg == "prefill" else decode)
-    return router_overhead.differences(prefill, decode)
+    return router_capture.differences(prefill, decode)
 
 
 @pytest.mark.parametrize(
@@ -249,7 +250,7 @@ def test_protocol_check_negative_controls(leg: str, edit: Any, why: str) -> None
 
 def test_tap_records_and_stubs_answer() -> None:
     stub = http_tap.Tap(
-        "stub", free_port(), None, respond=router_overhead.stub_vllm("m")
+        "stub", free_port(), None, respond=router_capture.stub_vllm("m")
     )
     tap = http_tap.Tap("tap", free_port(), stub.url)
     with http_tap.TapServer([stub, tap]) as server:
@@ -275,17 +276,13 @@ def test_real_router_protocol_through_taps(tmp_path: Path) -> None:
     """vllm-router 0.1.17 itself, in front of stub backends: the legs it sends
     are the ones the direct client builds, and the stub timing runs."""
     model = "pd-model"
-    stubs = [
-        http_tap.Tap("p", free_port(), None, respond=router_overhead.stub_vllm(model)),
-        http_tap.Tap("d", free_port(), None, respond=router_overhead.stub_vllm(model)),
-        http_tap.Tap("b", free_port(), None, respond=router_overhead.stub_bootstrap),
-    ]
+    stubs = router_capture.stub_taps(model)
     with http_tap.TapServer(stubs):
-        capture = router_overhead.capture(
+        capture = router_capture.capture(
             stubs[0].url, stubs[1].url, stubs[2].port, tmp_path, model, requests_n=3,
             progress=lambda _: None,
         )  # fmt: skip
-    assert router_overhead.differences(capture.prefill_leg, capture.decode_leg) == []
+    assert router_capture.differences(capture.prefill_leg, capture.decode_leg) == []
     assert capture.legs_in_order
     assert capture.decode_leg["kv_transfer_params"]["remote_engine_id"] == "stub-engine"
     assert capture.bootstrap_queries >= 1

@@ -1,0 +1,309 @@
+"""The P/D protocol vllm-router speaks, read off the wire rather than assumed.
+
+A second router,
+started with the stack's own flags, is pointed at recording proxies
+(bench.http_tap) in front of prefill, decode and the Mooncake bootstrap
+server. vllm-router 0.1.17 with ``--kv-connector mooncake`` was seen to:
+
+1. ``GET /query`` on the prefill's bootstrap server, keep the ``engine_id``
+   of data-parallel rank 0 (refreshed in the background);
+2. POST the request to prefill with ``max_tokens: 1``, ``min_tokens: 1``,
+   ``stream: false`` and ``kv_transfer_params: {do_remote_decode: true,
+   do_remote_prefill: false, transfer_id: "xfer-<uuid>"}``; prefill answers
+   with ``kv_transfer_params: null`` (Mooncake pushes, nothing to hand over);
+3. then POST the original request to decode with ``kv_transfer_params:
+   {do_remote_decode: false, do_remote_prefill: true, transfer_id: <same>,
+   remote_bootstrap_addr: "http://<prefill host>:<bootstrap port>",
+   remote_engine_id: <engine_id>}``.
+
+``build_legs`` builds the legs the same way for the direct client
+(bench.router_overhead), and ``differences`` compares them with what the
+tapped router sent, so a router that changes its protocol fails the bench
+rather than skewing it. ``stub_vllm`` and ``stub_bootstrap`` are backends that
+answer at once, for the router alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+
+from bench import http_tap
+from pdstack import supervisor
+from pdstack.supervisor import HOST, free_port
+
+REQUEST_TIMEOUT_S = 120.0
+PROMPT = (
+    "Prefill and decode run on different servers. The prefill computes the KV "
+    "cache of this prompt and Mooncake moves it to the decode server, which "
+    "generates the answer one token at a time while the router stays out of "
+    "the way of both of them. "
+)
+# Fields of the router's prefill leg that the direct client must also set.
+PREFILL_OVERRIDES = {"max_tokens": 1, "min_tokens": 1, "stream": False}
+DECODE_PARAMS = {
+    "do_remote_decode": False,
+    "do_remote_prefill": True,
+    "transfer_id": str,
+    "remote_bootstrap_addr": str,
+    "remote_engine_id": str,
+}
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "transfer_id": str,
+}
+Progress = Callable[[str], None]
+
+
+class ProtocolError(RuntimeError):
+    pass
+
+
+def bootstrap_url(prefill_url: str, bootstrap_port: int) -> str:
+    host = urlsplit(prefill_url).hostname or HOST
+    return f"http://{host}:{bootstrap_port}"
+
+
+def engine_id(bootstrap: str, session: requests.Session | None = None) -> str:
+    """The prefill engine's id from its Mooncake bootstrap server (DP rank 0)."""
+    getter = session or requests
+    answer = getter.get(f"{bootstrap}/query", timeout=10).json()
+    try:
+        return str(answer["0"]["engine_id"])
+    except (KeyError, TypeError) as exc:
+        raise ProtocolError(
+            f"{bootstrap}/query: no engine of rank 0 in {answer}"
+        ) from exc
+
+
+def build_legs(
+    body: Mapping[str, Any], engine: str, bootstrap: str, transfer_id: str | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The prefill and decode request bodies the router would send for ``body``."""
+    transfer_id = transfer_id or f"xfer-{uuid.uuid4()}"
+    prefill = {
+        **copy.deepcopy(dict(body)),
+        **PREFILL_OVERRIDES,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": transfer_id,
+        },
+    }
+    decode = {
+        **copy.deepcopy(dict(body)),
+        "kv_transfer_params": {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "transfer_id": transfer_id,
+            "remote_bootstrap_addr": bootstrap,
+            "remote_engine_id": engine,
+        },
+    }
+    return prefill, decode
+
+
+def _check_params(
+    leg: str, params: Any, expected: Mapping[str, Any], problems: list[str]
+) -> None:
+    if not isinstance(params, dict):
+        problems.append(f"{leg}: kv_transfer_params is {params!r}")
+        return
+    if set(params) != set(expected):
+        problems.append(
+            f"{leg}: kv_transfer_params keys {sorted(params)} != {sorted(expected)}"
+        )
+    for key, want in expected.items():
+        got = params.get(key)
+        if want is str:
+            if not isinstance(got, str) or not got:
+                problems.append(f"{leg}: {key} is {got!r}")
+        elif got != want:
+            problems.append(f"{leg}: {key} is {got!r}, expected {want!r}")
+
+
+def differences(
+    prefill_leg: Mapping[str, Any], decode_leg: Mapping[str, Any]
+) -> list[str]:
+    """How a (prefill, decode) pair departs from the protocol documented above.
+
+    Applied to the legs the tapped router sent (is the router still doing
+    this?) and to the direct client's (do we do the same?)."""
+    problems: list[str] = []
+    for key, want in PREFILL_OVERRIDES.items():
+        if prefill_leg.get(key) != want:
+            problems.append(
+                f"prefill: {key} is {prefill_leg.get(key)!r}, expected {want!r}"
+            )
+    _check_params(
+        "prefill", prefill_leg.get("kv_transfer_params"), PREFILL_PARAMS, problems
+    )
+    _check_params(
+        "decode", decode_leg.get("kv_transfer_params"), DECODE_PARAMS, problems
+    )
+    p_params = prefill_leg.get("kv_transfer_params") or {}
+    d_params = decode_leg.get("kv_transfer_params") or {}
+    if isinstance(p_params, dict) and isinstance(d_params, dict):
+        if p_params.get("transfer_id") != d_params.get("transfer_id"):
+            problems.append("the two legs carry different transfer_ids")
+        addr = str(d_params.get("remote_bootstrap_addr", ""))
+        if not addr.startswith("http://") or urlsplit(addr).port is None:
+            problems.append(
+                f"decode: remote_bootstrap_addr {addr!r} is not http://host:port"
+            )
+    for key in ("prompt", "model"):
+        if prefill_leg.get(key) != decode_leg.get(key):
+            problems.append(f"the legs' {key} differ")
+    return problems
+
+
+@dataclass
+class Capture:
+    """What the tapped router sent for one request, and when."""
+
+    prefill_leg: dict[str, Any]
+    decode_leg: dict[str, Any]
+    prefill_response_kv_params: Any
+    bootstrap_queries: int
+    # Per request: client end-to-end minus the two legs as the taps saw them.
+    router_own_ms: list[float] = field(default_factory=list)
+    legs_in_order: bool = True
+    failed_requests: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def router_behind(
+    taps: list[http_tap.Tap], run_dir: Path, name: str, progress: Progress
+) -> Iterator[tuple[str, http_tap.TapServer]]:
+    """The real vllm-router with the stack's flags, its backends the taps
+    (prefill, decode, bootstrap), its log ``run_dir/<name>.log``; yields its
+    URL and the taps' server."""
+    urls = supervisor.Urls(
+        router=f"http://{HOST}:{free_port()}",
+        prefill=taps[0].url,
+        decode=taps[1].url,
+        bootstrap_port=taps[2].port,
+    )
+    argv = supervisor.router_command(urls, metrics_port=free_port())
+    router = supervisor.Processes(run_dir, f"{name}.json", progress)
+    with http_tap.TapServer(taps) as server:
+        router.launch(name, argv, {}, urls.router)
+        try:
+            router.wait_healthy(name, 60)
+            yield urls.router, server
+        finally:
+            router.stop()
+
+
+def capture(
+    prefill_url: str,
+    decode_url: str,
+    bootstrap_port: int,
+    run_dir: Path,
+    model: str,
+    requests_n: int = 10,
+    progress: Progress = print,
+) -> Capture:
+    """Start a router behind taps, send ``requests_n`` requests, return its legs."""
+    taps = [
+        http_tap.Tap("prefill", free_port(), prefill_url),
+        http_tap.Tap("decode", free_port(), decode_url),
+        http_tap.Tap(
+            "bootstrap", free_port(), bootstrap_url(prefill_url, bootstrap_port)
+        ),
+    ]
+    pairs: list[tuple[http_tap.Exchange, http_tap.Exchange]] = []
+    own_ms: list[float] = []
+    failures: list[str] = []
+    tapped = router_behind(taps, run_dir, "router-tapped", progress)
+    with tapped as (router_url, server):
+        session = requests.Session()
+        # A request may fail on a busy host (a KV transfer timing out):
+        # it is counted, and the capture goes on up to twice as many tries.
+        for i in range(2 * requests_n):
+            if len(pairs) == requests_n:
+                break
+            body = {"model": model, "prompt": f"{i} {PROMPT}", "max_tokens": 4,
+                    "temperature": 0.0}  # fmt: skip
+            mark = len(server.exchanges("/v1/completions"))
+            start = time.monotonic()
+            answer = session.post(
+                f"{router_url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S
+            )
+            took = time.monotonic() - start
+            legs = server.exchanges("/v1/completions")[mark:]
+            seen = [e.tap for e in legs]
+            if seen != ["prefill", "decode"]:
+                raise ProtocolError(f"expected prefill then decode legs, saw {seen}")
+            if answer.status_code != 200:
+                failures.append(f"HTTP {answer.status_code}: {answer.text[:200]}")
+                continue
+            pairs.append((legs[0], legs[1]))
+            # The first request also waits for the bootstrap query.
+            if i > 0:
+                own_ms.append((took - sum(e.finished - e.started for e in legs)) * 1e3)
+        if not pairs:
+            raise ProtocolError(
+                f"no request through the tapped router succeeded: {failures}"
+            )
+        queries = len(server.exchanges("/query"))
+    prefill_leg, decode_leg = pairs[0]
+    response = prefill_leg.response if isinstance(prefill_leg.response, dict) else {}
+    return Capture(
+        prefill_leg=prefill_leg.request,
+        decode_leg=decode_leg.request,
+        prefill_response_kv_params=response.get("kv_transfer_params", "missing"),
+        bootstrap_queries=queries,
+        router_own_ms=own_ms,
+        legs_in_order=all(d.started >= p.finished for p, d in pairs),
+        failed_requests=failures,
+    )
+
+
+def stub_vllm(model: str) -> http_tap.Responder:
+    """A backend that answers like a vLLM server at once: the legs cost nothing,
+    so what remains of a router request's latency is the router."""
+    choice = {"index": 0, "text": "x", "logprobs": None, "finish_reason": "length",
+              "stop_reason": None}  # fmt: skip
+    usage = {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}
+
+    def respond(method: str, path: str, body: Any) -> http_tap.Reply:
+        if method == "POST" and path == "/v1/completions":
+            head = {"id": "cmpl-stub", "object": "text_completion", "created": 0,
+                    "model": model, "choices": [choice]}  # fmt: skip
+            if isinstance(body, dict) and body.get("stream"):
+                return 200, [head, {**head, "choices": [], "usage": usage}, "[DONE]"]
+            return 200, {**head, "usage": usage, "kv_transfer_params": None}
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": model, "object": "model"}]}
+        if path in ("/health", "/metrics"):
+            return 200, ""
+        return 404, {"error": f"stub: no {method} {path}"}
+
+    return respond
+
+
+def stub_bootstrap(method: str, path: str, body: Any) -> http_tap.Reply:
+    if path == "/query":
+        workers = {"0": {"0": "tcp://127.0.0.1:1"}}
+        return 200, {"0": {"engine_id": "stub-engine", "worker_addr": workers}}
+    return 404, {"error": f"stub: no {method} {path}"}
+
+
+def stub_taps(model: str) -> list[http_tap.Tap]:
+    """Stub prefill, decode and bootstrap server, in the order router_behind takes."""
+    return [
+        http_tap.Tap("prefill", free_port(), None, respond=stub_vllm(model)),
+        http_tap.Tap("decode", free_port(), None, respond=stub_vllm(model)),
+        http_tap.Tap("bootstrap", free_port(), None, respond=stub_bootstrap),
+    ]
