@@ -15,6 +15,12 @@ from pdstack import kv_layout
 
 GIB = 1 << 30
 MIB = 1 << 20
+
+
+class ReportError(ValueError):
+    pass
+
+
 # (key in vllm bench's result, column title)
 METRICS = (
     ("p50_ttft_ms", "TTFT p50 ms"),
@@ -26,10 +32,6 @@ METRICS = (
     ("output_throughput", "output tok/s"),
 )
 TARGETS = ("pd", "colocated")
-
-
-class ReportError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,30 @@ def connector_worker(
     return worker, engine
 
 
+def pull_metadata(
+    worker: Any, blocks: list[list[int]]
+) -> upstream.MooncakeXferMetadata:
+    """The pull metadata decode's registered ``worker`` sends for request
+    ``d-req`` into ``blocks`` (one list per KV cache group), as
+    MooncakeConnectorWorker.receive_kv_from_single_worker builds it."""
+    return upstream.MooncakeXferMetadata(
+        remote_hostname=worker.hostname,
+        remote_port=worker.rpc_port,
+        remote_tp_size=worker.tp_size,
+        remote_tp_rank=worker.tp_rank,
+        remote_pp_size=worker.pp_size,
+        req_blocks={"d-req": ("xfer-1", blocks)},
+        kv_caches_base_addr=worker.kv_caches_base_addr,
+        block_lens=worker.block_len_per_layer,
+        kv_block_lens=worker.kv_block_len_per_layer,
+        registered_layer_names=worker.registered_layer_names,
+        registered_layer_indices=worker.registered_layer_indices,
+        registered_group_indices=worker.registered_group_indices,
+        registered_shared_group_ids=[list(g) for g in worker.region_shared_groups],
+        registered_row_offsets=worker.region_row_offsets,
+    )
+
+
 class Decode:
     """Decode's side, in a process of its own: zeroed caches registered by its
     connector worker."""
@@ -79,29 +103,8 @@ class Decode:
         )
 
     def metadata(self) -> bytes:
-        """The pull metadata upstream's decode sends, msgspec-encoded, as
-        MooncakeConnectorWorker.receive_kv_from_single_worker builds it."""
-        worker = self.worker
-        return msgspec.msgpack.encode(
-            upstream.MooncakeXferMetadata(
-                remote_hostname=worker.hostname,
-                remote_port=worker.rpc_port,
-                remote_tp_size=worker.tp_size,
-                remote_tp_rank=worker.tp_rank,
-                remote_pp_size=worker.pp_size,
-                req_blocks={"d-req": ("xfer-1", [DECODE_BLOCKS, DECODE_BLOCKS])},
-                kv_caches_base_addr=worker.kv_caches_base_addr,
-                block_lens=worker.block_len_per_layer,
-                kv_block_lens=worker.kv_block_len_per_layer,
-                registered_layer_names=worker.registered_layer_names,
-                registered_layer_indices=worker.registered_layer_indices,
-                registered_group_indices=worker.registered_group_indices,
-                registered_shared_group_ids=[
-                    list(g) for g in worker.region_shared_groups
-                ],
-                registered_row_offsets=worker.region_row_offsets,
-            )
-        )
+        blocks = [DECODE_BLOCKS, DECODE_BLOCKS]
+        return msgspec.msgpack.encode(pull_metadata(self.worker, blocks))
 
     def read(self) -> dict[str, bytes]:
         # Plain bytes: tensors would travel as shared memory that dies with us.
