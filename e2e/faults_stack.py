@@ -48,14 +48,8 @@ def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
     bounds = {k: float(v) for k, v in cfg["bounds"].items()}
     opt = request.config.getoption
     if opt("router_url"):
-        given = FaultStack(
-            opt("router_url"),
-            opt("prefill_url"),
-            opt("decode_url"),
-            opt("reference_url") or opt("prefill_url"),
-            owned=False,
-            bounds=bounds,
-        )
+        # The stack given by URLs (conftest's), with the fault suite's bounds.
+        given = FaultStack(**vars(request.getfixturevalue("stack")), bounds=bounds)
         given.idle = idle_state(given)
         yield given
         print_table()
