@@ -1,8 +1,9 @@
 """The fault suite's own stack (configs/faults.yaml): started once per session
 for every fault module, which load this file as a plugin
 (``pytest_plugins = ["faults_stack"]``): a fixture imported into several
-modules would start one stack per module. At the end it prints the results
-table (faults_helpers.record).
+modules would start one stack per module. The fault cases run after the
+others, so the stack is down again as soon as they are done; at the end it
+prints the results table (faults_helpers.record).
 
 On the CPU twin it starts its own servers, on the session twin's ports moved
 by configs/faults.yaml's offsets, so it may kill and restart them without
@@ -39,6 +40,12 @@ def fault_ports(base: config.Ports, offsets: Mapping[str, int]) -> dict[str, str
     session twin's ports, moved."""
     names = {f"{field.upper()}_PORT": port for field, port in asdict(base).items()}
     return {name: str(port + offsets.get(name, 0)) for name, port in names.items()}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fault cases last, in their order: a session fixture goes down at
+    the session's end, so their stack then lives only as long as they run."""
+    items.sort(key=lambda item: "faults" in getattr(item, "fixturenames", ()))
 
 
 @pytest.fixture(scope="session")
