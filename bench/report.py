@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -167,29 +167,48 @@ def _read(path: Path) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def build(run_dir: Path) -> dict[str, Any]:
-    """Compute the summary of a run directory and write report.md, report.png,
-    summary.json. Returns the summary."""
-    raw = run_dir / "raw"
-    meta = _read(run_dir / "meta.json") or {}
-    profile = str(meta.get("profile", "tiny"))
-    levels, status = load_levels(raw) if raw.exists() else ([], {})
-    pairs = pair_levels(levels, raw)
-    engine_data = _read(run_dir / "transfer_engine.json")
-    comparisons = te.compare(te.from_json(engine_data)) if engine_data else []
-    overhead = _read(run_dir / "router_overhead.json")
-    memory = _read(run_dir / "memory.json")
-    startup = _read(run_dir / "startup.json") or {}
-    checks = judge(pairs, overhead, comparisons, memory)
-    model = kv_transfer.layout_from_json(_read(run_dir / "kv_layout.json"))
-    layout = [
-        (p.input_len, p.concurrency, p.layout(model))
-        for p in pairs
-        if p.layout(model) is not None
-    ]
-    summary = {
-        "meta": meta,
-        "targets": [asdict(t) for t in checks],
+@dataclass(frozen=True)
+class Run:
+    """A run directory, read once: what the summary, the Markdown and the plot
+    are made of."""
+
+    meta: Mapping[str, Any]
+    pairs: list[Pair]
+    status: dict[str, str]
+    comparisons: list[te.Comparison]
+    overhead: Mapping[str, Any] | None
+    startup: Mapping[str, Any]
+    memory: Mapping[str, Any] | None
+    model: kv_layout.KVLayout | None
+    checks: list[Target]
+
+    @classmethod
+    def read(cls, run_dir: Path) -> Run:
+        raw = run_dir / "raw"
+        levels, status = load_levels(raw) if raw.exists() else ([], {})
+        pairs = pair_levels(levels, raw)
+        engine_data = _read(run_dir / "transfer_engine.json")
+        comparisons = te.compare(te.from_json(engine_data)) if engine_data else []
+        overhead = _read(run_dir / "router_overhead.json")
+        memory = _read(run_dir / "memory.json")
+        return cls(
+            meta=_read(run_dir / "meta.json") or {},
+            pairs=pairs,
+            status=status,
+            comparisons=comparisons,
+            overhead=overhead,
+            startup=_read(run_dir / "startup.json") or {},
+            memory=memory,
+            model=kv_transfer.layout_from_json(_read(run_dir / "kv_layout.json")),
+            checks=judge(pairs, overhead, comparisons, memory),
+        )
+
+
+def summary(run: Run) -> dict[str, Any]:
+    checks = [p.layout(run.model) for p in run.pairs]
+    return {
+        "meta": run.meta,
+        "targets": [asdict(t) for t in run.checks],
         "levels": [
             {
                 "input_len": p.input_len,
@@ -199,50 +218,34 @@ def build(run_dir: Path) -> dict[str, Any]:
                 "ratio_pd_over_colocated": p.ratios(),
                 "kv": asdict(c) if (c := p.kv_cost()) else None,
             }
-            for p in pairs
+            for p in run.pairs
         ],
-        "level_status": status,
-        "layout_checks_ok": all(check.ok for _, _, check in layout if check),
-        "startup": startup,
-        "memory": memory,
+        "level_status": run.status,
+        "layout_checks_ok": all(check.ok for check in checks if check),
+        "startup": run.startup,
+        "memory": run.memory,
         "router_overhead": {
-            k: v for k, v in (overhead or {}).items() if k != "samples"
+            k: v for k, v in (run.overhead or {}).items() if k != "samples"
         },
-        "transfer_engine": [asdict(c) for c in comparisons],
+        "transfer_engine": [asdict(c) for c in run.comparisons],
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    plotted = plot(run_dir / "report.png", pairs, comparisons)
-    (run_dir / "report.md").write_text(
-        markdown(
-            meta,
-            checks,
-            pairs,
-            status,
-            comparisons,
-            overhead,
-            startup,
-            memory,
-            profile,
-            plotted,
-            model,
-        )
-    )
-    return summary
 
 
-def markdown(
-    meta: Mapping[str, Any],
-    checks: Sequence[Target],
-    pairs: Sequence[Pair],
-    status: Mapping[str, str],
-    comparisons: Sequence[te.Comparison],
-    overhead: Mapping[str, Any] | None,
-    startup: Mapping[str, Any],
-    memory: Mapping[str, Any] | None,
-    profile: str,
-    plotted: bool,
-    model: kv_layout.KVLayout | None = None,
-) -> str:
+def build(run_dir: Path) -> dict[str, Any]:
+    """Compute the summary of a run directory and write report.md, report.png,
+    summary.json. Returns the summary."""
+    run = Run.read(run_dir)
+    data = summary(run)
+    (run_dir / "summary.json").write_text(json.dumps(data, indent=1, default=str))
+    plotted = plot(run_dir / "report.png", run.pairs, run.comparisons)
+    (run_dir / "report.md").write_text(markdown(run, plotted))
+    return data
+
+
+def markdown(run: Run, plotted: bool) -> str:
+    meta, checks, pairs, status = run.meta, run.checks, run.pairs, run.status
+    comparisons, overhead, memory = run.comparisons, run.overhead, run.memory
+    profile = str(meta.get("profile", "tiny"))
     out = [f"# P/D vs colocated: bench run {meta.get('started', '')}", ""]
     if meta.get("stack"):
         out += [f"Stack: {meta['stack']}. Profile `{profile}`.", ""]
@@ -297,7 +300,7 @@ def markdown(
         "",
         "## KV transfer (prefill's Mooncake metrics, per P/D level)",
         "",
-        *kv_table(pairs, model),
+        *kv_table(pairs, run.model),
     ]
     if comparisons:
         out += [
@@ -340,9 +343,9 @@ def markdown(
                 "- direct legs match the router's: "
                 + ("yes" if not diffs else "; ".join(diffs))
             )
-    if startup:
+    if run.startup:
         out += ["", "## Start-up", ""]
-        for key, value in startup.items():
+        for key, value in run.startup.items():
             if isinstance(value, (int, float)):
                 out.append(f"- {key}: {value:.0f} s")
     if memory:

@@ -1,26 +1,12 @@
-"""The P/D protocol vllm-router speaks, read off the wire rather than assumed.
+"""The P/D protocol vllm-router speaks, read off the wire rather than assumed
+(what vllm-router 0.1.17 was seen to send: docs/bench.md, "Router overhead").
 
-A second router,
-started with the stack's own flags, is pointed at recording proxies
-(bench.http_tap) in front of prefill, decode and the Mooncake bootstrap
-server. vllm-router 0.1.17 with ``--kv-connector mooncake`` was seen to:
-
-1. ``GET /query`` on the prefill's bootstrap server, keep the ``engine_id``
-   of data-parallel rank 0 (refreshed in the background);
-2. POST the request to prefill with ``max_tokens: 1``, ``min_tokens: 1``,
-   ``stream: false`` and ``kv_transfer_params: {do_remote_decode: true,
-   do_remote_prefill: false, transfer_id: "xfer-<uuid>"}``; prefill answers
-   with ``kv_transfer_params: null`` (Mooncake pushes, nothing to hand over);
-3. then POST the original request to decode with ``kv_transfer_params:
-   {do_remote_decode: false, do_remote_prefill: true, transfer_id: <same>,
-   remote_bootstrap_addr: "http://<prefill host>:<bootstrap port>",
-   remote_engine_id: <engine_id>}``.
-
-``build_legs`` builds the legs the same way for the direct client
-(bench.router_overhead), and ``differences`` compares them with what the
-tapped router sent, so a router that changes its protocol fails the bench
-rather than skewing it. ``stub_vllm`` and ``stub_bootstrap`` are backends that
-answer at once, for the router alone.
+``capture`` points a second router, started with the stack's own flags, at
+recording proxies (bench.http_tap) in front of prefill, decode and the
+Mooncake bootstrap server. ``build_legs`` builds the same legs for the direct
+client (bench.router_overhead), and ``differences`` checks either pair against
+the protocol, so a router that changes it fails the bench rather than skewing
+it. ``stub_taps`` are backends that answer at once, for the router alone.
 """
 
 from __future__ import annotations

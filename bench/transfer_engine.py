@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 from unittest import mock
 
@@ -186,32 +187,23 @@ def run(
 
         for size in sorted(sizes):
             want = digest(source, size)
-            plans: list[tuple[Sample, Callable[[], None]]] = []
+            plans: list[tuple[Sample, Callable[[], Any]]] = []
             for method in methods:
                 sample = Sample(method, size, repeats_for(size))
+                once: Callable[[], Any]
                 if method in ("engine", TUNED_METHOD):
                     sample.env = dict(env)
-                    src, dst, lens = [source_addr], [remote_addr], [size]
-
-                    def once(src=src, dst=dst, lens=lens) -> None:
-                        engine_write(src, dst, lens)
+                    once = partial(engine_write, [source_addr], [remote_addr], [size])
                 elif method == "engine_kv_blocks":
-                    src, dst, lens = kv_descriptors(size, source_addr, remote_addr)
-                    if len(src) > MAX_KV_DESCRIPTORS:
+                    blocks = kv_descriptors(size, source_addr, remote_addr)
+                    if len(blocks[0]) > MAX_KV_DESCRIPTORS:
                         continue
-                    sample.descriptors = len(src)
-
-                    def once(src=src, dst=dst, lens=lens) -> None:
-                        engine_write(src, dst, lens)
+                    sample.descriptors = len(blocks[0])
+                    once = partial(engine_write, *blocks)
                 elif method == "socket":
-
-                    def once(size=size) -> None:
-                        socket_write(size)
+                    once = partial(socket_write, size)
                 else:
-
-                    def once(size=size) -> None:
-                        np.copyto(scratch[:size], source[:size])
-
+                    once = partial(np.copyto, scratch[:size], source[:size])
                 plans.append((sample, once))
             # Methods take turns, so a change in the machine's load touches
             # every method alike instead of skewing one ratio.
@@ -237,14 +229,9 @@ def run(
             for sample, _ in plans:
                 samples.append(sample)
                 gbps = sample.median_bps() / 1e9
-                progress(
-                    f"  {sample.method:<17} {size:>11} B: {gbps:6.2f} GB/s"
-                    + (
-                        f" ({sample.descriptors} descriptors)"
-                        if sample.descriptors > 1
-                        else ""
-                    )
-                )
+                n = sample.descriptors
+                many = f" ({n} descriptors)" if n > 1 else ""
+                progress(f"  {sample.method:<17} {size:>11} B: {gbps:6.2f} GB/s{many}")
         sock.sendall(struct.pack("<Q", 0))
         sock.close()
     return samples
