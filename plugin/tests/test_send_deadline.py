@@ -268,7 +268,7 @@ def test_negative_control_one_shared_pool_delays_the_healthy_decode(
 
 
 def fault_stack_env() -> dict[str, dict[str, str]]:
-    """Each role's environment on the fault stack, as e2e/faults_helpers
+    """Each role's environment on the fault stack, as e2e/faults_stack
     renders it: the CPU target's env, then configs/faults.yaml's per role."""
     target = yaml.safe_load((CONFIGS / "targets" / "cpu.yaml").read_text())
     faults = yaml.safe_load((CONFIGS / "faults.yaml").read_text())
