@@ -23,12 +23,11 @@ from pdstack import config, kv_layout, tiny_model
 from pdstack import metrics as m
 
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
-DESCRIPTORS = "vllm:mooncake_descriptors_total"
 COUNTERS = {
     "transfers": m.TRANSFERS,
     "bytes": m.BYTES,
     "seconds": m.TRANSFER_SECONDS,
-    "descriptors": DESCRIPTORS,
+    "descriptors": m.DESCRIPTORS,
     "failed_transfers": m.FAILED_TRANSFERS,
     "failed_recvs": m.FAILED_RECVS,
     "expired": m.EXPIRED,
