@@ -227,6 +227,10 @@ def state(stack: Stack, roles: tuple[str, ...] = config.ROLES) -> dict[str, floa
         now[f"{role}_requests"] = snapshot.total(RUNNING) + snapshot.total(WAITING)
         if role == "decode":
             now["decode_kv_fetch"] = snapshot.total(KV_FETCH)
+            # No fault here corrupts KV: a checksum mismatch under load, a
+            # kill or a restart would be a false positive (or a real late
+            # write); it counts as a leak (0 where the check is off).
+            now["decode_kv_checksum_mismatch"] = snapshot.total(m.CHECKSUM_MISMATCH)
     return now
 
 

@@ -1,17 +1,33 @@
-"""Negative controls: the detectors above do catch a missing or wrong transfer."""
+"""Negative controls: the detectors above do catch a missing or wrong transfer.
+
+With the plugin's KV checksum on (``kv_checksum``, on in configs/vllm), KV
+corrupted as decode receives it never reaches an answer: each request fails
+or is recomputed, and decode's mismatch counter says so. With it off (a
+stack given by URLs, or the twin rendered without it) the same fault gives
+wrong answers while every transfer metric says success. Either way KV
+corrupted after the checksum verified it reaches the answers, and the
+correctness check (pdstack.oracle) must catch it: metrics are not proof.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from conftest import Stack
-from pdstack import client, oracle
+from pdstack import client, config, kv_layout, oracle
 from pdstack import metrics as m
 
 MAX_TOKENS = 16
+# pd_mooncake.checksum's series on decode (labels region, layout).
+CHECKSUM_ENABLED = m.CHECKSUM_ENABLED
+CHECKSUM_MATCH = m.CHECKSUM_MATCH
+CHECKSUM_MISMATCH = m.CHECKSUM_MISMATCH
+# pd_mooncake.faults
+CORRUPT_RECEIVED = "corrupt_received_kv"
+CORRUPT_CHECKED = "corrupt_checked_kv"
 
 
 def test_request_without_transfer_does_not_count_as_external(stack: Stack) -> None:
@@ -37,6 +53,24 @@ SWITCH_HELP = (
 )
 
 
+@pytest.fixture(scope="module")
+def checksum_on(stack: Stack) -> bool:
+    """Whether decode verifies every transfer (both roles must agree, or no
+    transfer would succeed); the twin's configuration has it on."""
+    on = {
+        name: m.scrape(getattr(stack, name)).total(CHECKSUM_ENABLED) == 1
+        for name in ("prefill", "decode")
+    }
+    print(f"kv_checksum: {on}")
+    assert on["prefill"] == on["decode"], on
+    if stack.owned:
+        # The twin serves what configs/vllm says (kv_checksum: true there).
+        flags = config.vllm_flags("decode", "tiny", "cpu")["kv-transfer-config"]
+        configured = flags["kv_connector_extra_config"].get("kv_checksum", False)
+        assert on["decode"] == configured, (on, configured)
+    return on["decode"]
+
+
 @pytest.fixture
 def fault_file(stack: Stack) -> Path:
     if stack.fault_file is None:
@@ -50,47 +84,144 @@ def fault_file(stack: Stack) -> Path:
 
 
 @pytest.fixture
-def corrupted_kv(fault_file: Path) -> Iterator[None]:
-    fault_file.parent.mkdir(parents=True, exist_ok=True)
-    fault_file.write_text("corrupt_received_kv")
+def fault(fault_file: Path) -> Iterator[Callable[[str], None]]:
+    """Switch a fault on decode on (on for the rest of the test)."""
+
+    def switch_on(name: str) -> None:
+        fault_file.parent.mkdir(parents=True, exist_ok=True)
+        fault_file.write_text(name)
+
     try:
-        yield
+        yield switch_on
     finally:
         fault_file.unlink(missing_ok=True)
 
 
-def test_corrupted_kv_fails_the_correctness_check(
-    stack: Stack, corrupted_kv: None
-) -> None:
-    """With decode's received KV overwritten, outputs leave the reference, while
-    the transfer metrics still report success: metrics are not proof. Each
-    leaves it where the reference is confident: the near-tie oracle of a GPU
-    stack would catch it too."""
-    prompts = [stack.prompt(30 + 11 * i, salt=5100 + i) for i in range(4)]
+def corrupted_requests(
+    stack: Stack, salt: int, verdicts: int
+) -> tuple[list[list[oracle.Step]], list[list[int] | str], m.Snapshot, m.Snapshot]:
+    """Four requests through the router with the fault on: the references,
+    each answer's tokens (or its error), and prefill's and decode's deltas
+    (decode's once it counted ``verdicts`` checksum verdicts, or 20 s)."""
+    prompts = [stack.prompt(30 + 11 * i, salt=salt + i) for i in range(4)]
     expected = [stack.reference_steps(p, MAX_TOKENS) for p in prompts]
-    before = m.scrape(stack.prefill)
-    got = [client.complete(stack.router, p, MAX_TOKENS).token_ids for p in prompts]
-    delta = m.settle(stack.prefill, before, lambda d: d.total(m.TRANSFERS) >= 4)
-    epsilons = sorted({stack.epsilon, oracle.GPU_EPSILON})
-    verdicts = {
-        eps: [oracle.judge(e, g, eps) for e, g in zip(expected, got, strict=True)]
-        for eps in epsilons
-    }
-    for eps, vs in verdicts.items():
-        print(f"corrupted KV, epsilon {eps}: " + "; ".join(v.describe() for v in vs))
-    print(f"transfers {delta.total(m.TRANSFERS)}")
-    for eps, vs in verdicts.items():
-        caught = [not v.ok for v in vs]
-        assert all(caught), f"epsilon {eps}: {[v.describe() for v in vs]}"
-    assert delta.total(m.TRANSFERS) == len(prompts)
-    assert delta.total(m.FAILED_TRANSFERS) == 0
+    prefill0, decode0 = m.scrape(stack.prefill), m.scrape(stack.decode)
+    got: list[list[int] | str] = []
+    for p in prompts:
+        try:
+            got.append(client.complete(stack.router, p, MAX_TOKENS).token_ids)
+        except client.CompletionError as exc:
+            got.append(str(exc))
+    prefill = m.settle(stack.prefill, prefill0, lambda d: d.total(m.TRANSFERS) >= 4)
+    decode = m.settle(
+        stack.decode,
+        decode0,
+        lambda d: d.total(CHECKSUM_MATCH) + d.total(CHECKSUM_MISMATCH) >= verdicts,
+        deadline_s=20.0 if verdicts else 1.0,
+    )
+    print(f"prefill transfers {prefill.total(m.TRANSFERS)}")
+    return expected, got, prefill, decode
 
 
-def test_switch_off_restores_exact_output(stack: Stack, fault_file: Path) -> None:
-    """After the fault, the same stack is exact again (the switch is off)."""
+def assert_wrong_with_success_metrics(
+    stack: Stack,
+    expected: list[list[oracle.Step]],
+    got: list[list[int] | str],
+    prefill: m.Snapshot,
+) -> None:
+    """Every answer leaves the reference where the reference is confident (the
+    near-tie oracle of a GPU stack would catch it too), while every transfer
+    metric says success."""
+    assert all(isinstance(g, list) for g in got), got
+    for eps in sorted({stack.epsilon, oracle.GPU_EPSILON}):
+        verdicts = [oracle.judge(e, g, eps) for e, g in zip(expected, got, strict=True)]
+        print(f"epsilon {eps}: " + "; ".join(v.describe() for v in verdicts))
+        assert all(not v.ok for v in verdicts), [v.describe() for v in verdicts]
+    assert prefill.total(m.TRANSFERS) == len(got)
+    assert prefill.total(m.FAILED_TRANSFERS) == 0
+
+
+def test_checksum_keeps_corrupted_kv_out_of_every_answer(
+    stack: Stack,
+    checksum_on: bool,
+    fault: Callable[[str], None],
+    layout: kv_layout.KVLayout,
+) -> None:
+    """KV corrupted as decode receives it: with the checksum on, each request
+    fails or is recomputed (kv_load_failure_policy), never answered wrong, and
+    decode counts a mismatch in every region of each; with it off, the
+    answers are wrong and every metric says success."""
+    fault(CORRUPT_RECEIVED)
+    regions = sum(r.layers for r in layout.regions)
+    expected, got, prefill, decode = corrupted_requests(
+        stack, salt=5100, verdicts=4 * regions if checksum_on else 0
+    )
+    mismatch = decode.by_label(CHECKSUM_MISMATCH, "region")
+    outcomes = [
+        g if isinstance(g, str) else oracle.judge(e, g, stack.epsilon).describe()
+        for e, g in zip(expected, got, strict=True)
+    ]
+    print(f"checksum on: {checksum_on}; answers: {outcomes}; mismatches {mismatch}")
+    if not checksum_on:
+        assert_wrong_with_success_metrics(stack, expected, got, prefill)
+        assert not mismatch
+        return
+    for e, g in zip(expected, got, strict=True):
+        # Failed ("fail", vLLM's default policy: HTTP 500), or recomputed
+        # and then exact.
+        assert isinstance(g, str) or oracle.judge(e, g, stack.epsilon).ok, g
+    # One corrupted receive per transfer (a router that retried a failed
+    # request would have made more than one per request), each caught in
+    # every region; prefill sent each successfully: only decode's check saw
+    # the damage.
+    transfers = prefill.total(m.TRANSFERS)
+    assert transfers == len(got), f"{transfers} transfers for {len(got)} requests"
+    assert sorted(mismatch.values()) == [transfers] * regions, mismatch
+    layouts = decode.by_label(CHECKSUM_MISMATCH, "layout")
+    assert set(layouts) == {r.layout for r in layout.regions}, layouts
+    assert decode.total(CHECKSUM_MATCH) == 0
+    assert decode.total(m.FAILED_RECVS) == transfers
+    assert prefill.total(m.FAILED_TRANSFERS) == 0
+
+
+def test_corruption_after_the_checksum_fails_the_correctness_check(
+    stack: Stack,
+    checksum_on: bool,
+    fault: Callable[[str], None],
+    layout: kv_layout.KVLayout,
+) -> None:
+    """KV overwritten after the checksum verified it (or without one): the
+    answers leave the reference while every metric, the checksum's included,
+    says success. The correctness check is what catches it."""
+    fault(CORRUPT_CHECKED)
+    regions = sum(r.layers for r in layout.regions)
+    expected, got, prefill, decode = corrupted_requests(
+        stack, salt=5200, verdicts=4 * regions if checksum_on else 0
+    )
+    assert_wrong_with_success_metrics(stack, expected, got, prefill)
+    assert decode.total(CHECKSUM_MISMATCH) == 0
+    if checksum_on:
+        assert decode.total(CHECKSUM_MATCH) == 4 * regions
+
+
+def test_switch_off_restores_exact_output(
+    stack: Stack, checksum_on: bool, fault_file: Path, layout: kv_layout.KVLayout
+) -> None:
+    """After the faults, the same stack is exact again (the switch is off),
+    and with the checksum on every region of the request is verified."""
     assert not fault_file.exists()
     prompt = stack.prompt(30, salt=5100)
     expected = stack.reference_steps(prompt, MAX_TOKENS)
+    before = m.scrape(stack.decode)
     got = client.complete(stack.router, prompt, MAX_TOKENS).token_ids
     verdict = stack.judge(expected, got, "after the fault")
     assert verdict.ok, verdict.describe()
+    if checksum_on:
+        regions = sum(r.layers for r in layout.regions)
+        delta = m.settle(
+            stack.decode, before, lambda d: d.total(CHECKSUM_MATCH) >= regions
+        )
+        assert (
+            sorted(delta.by_label(CHECKSUM_MATCH, "region").values()) == [1] * regions
+        )
+        assert delta.total(CHECKSUM_MISMATCH) == 0

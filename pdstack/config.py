@@ -164,6 +164,13 @@ ENV_OVERRIDES: dict[str, tuple[str, tuple[str, ...], type]] = {
         str,
     ),
     "PD_GPU_MEMORY_UTILIZATION": ("gpu-memory-utilization", (), float),
+    # The opt-in KV checksum, on in configs/vllm: 0 runs a stack without it
+    # (both roles must agree: set it for prefill and decode alike).
+    "PD_MOONCAKE_KV_CHECKSUM": (
+        "kv-transfer-config",
+        ("kv_connector_extra_config", "kv_checksum"),
+        bool,
+    ),
     # One stable engine id per prefill replica (configs/vllm/prefill.yaml:
     # one id for every replica would mix their side channels); Kubernetes sets
     # it to the StatefulSet pod name, which survives a restart.
@@ -182,7 +189,7 @@ def with_env_overrides(
         if not raw:
             continue
         try:
-            value = kind(raw)
+            value = _parse_bool(raw) if kind is bool else kind(raw)
         except ValueError as exc:
             raise ConfigError(f"{var}={raw!r}: expected {kind.__name__}") from exc
         if not path:
@@ -193,6 +200,16 @@ def with_env_overrides(
             node = node.setdefault(key, {})
         node[path[-1]] = value
     return out
+
+
+def _parse_bool(raw: str) -> bool:
+    """1/0, true/false, yes/no, on/off (``bool("false")`` is True)."""
+    words = {"1": True, "true": True, "yes": True, "on": True}
+    words |= {"0": False, "false": False, "no": False, "off": False}
+    try:
+        return words[raw.strip().lower()]
+    except KeyError:
+        raise ValueError(raw) from None
 
 
 def server_env(role: str, target_name: str, bootstrap_port: int) -> dict[str, str]:

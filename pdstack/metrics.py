@@ -32,6 +32,9 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 # KV element type, tensor-parallel width and fault switch.
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 KV_CACHE_INFO = plugin.KV_CACHE_INFO
+CHECKSUM_MISMATCH = f"{plugin.CHECKSUM_MISMATCH}_total"
+CHECKSUM_MATCH = f"{plugin.CHECKSUM_MATCH}_total"
+CHECKSUM_ENABLED = plugin.CHECKSUM_ENABLED
 RUNNING = "vllm:num_requests_running"
 
 Labels = frozenset[tuple[str, str]]

@@ -586,6 +586,8 @@ def test_rdma_servers_select_the_rdma_protocol() -> None:
 # --- monitoring ------------------------------------------------------------------
 
 REQUIRED_METRICS = {
+    names.CHECKSUM_MATCH,
+    names.CHECKSUM_MISMATCH,
     names.BYTES,
     names.TRANSFERS,
     names.FAILED_TRANSFERS,

@@ -42,15 +42,34 @@ def test_env_overrides_reach_the_connector_config() -> None:
         {"PD_MOONCAKE_PROTOCOL": "rdma", "PD_MOONCAKE_DEVICE": "mlx5_0"},
     )
     extra = flags["kv-transfer-config"]["kv_connector_extra_config"]
-    assert extra == {"mooncake_protocol": "rdma", "device_name": "mlx5_0"}
+    assert extra == {
+        "mooncake_protocol": "rdma",
+        "device_name": "mlx5_0",
+        "kv_checksum": True,
+    }
     argv = config.render(flags, {"tiny_target": "t", "tiny_draft": "d"})
     rendered = json.loads(flag_value(argv, "--kv-transfer-config"))
     assert rendered["kv_connector_extra_config"]["device_name"] == "mlx5_0"
     # The override did not leak into the loaded configuration.
     base = config.vllm_flags("decode", "tiny", "gpu")
     assert base["kv-transfer-config"]["kv_connector_extra_config"] == {
-        "mooncake_protocol": "tcp"
+        "mooncake_protocol": "tcp",
+        "kv_checksum": True,
     }
+
+
+@pytest.mark.parametrize(("raw", "on"), [("0", False), ("false", False), ("1", True)])
+def test_the_kv_checksum_can_be_switched_by_the_environment(raw: str, on: bool) -> None:
+    for role in config.ROLES:
+        flags = config.with_env_overrides(
+            config.vllm_flags(role, "tiny", "cpu"), {"PD_MOONCAKE_KV_CHECKSUM": raw}
+        )
+        assert (
+            flags["kv-transfer-config"]["kv_connector_extra_config"]["kv_checksum"]
+            is on
+        )
+    with pytest.raises(config.ConfigError, match="PD_MOONCAKE_KV_CHECKSUM"):
+        config.with_env_overrides({}, {"PD_MOONCAKE_KV_CHECKSUM": "maybe"})
 
 
 def test_each_prefill_replica_can_have_its_own_engine_id() -> None:

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
 )
 
 from pd_mooncake import (
+    checksum,
     cpu_support,
     extra_config,
     faults,
@@ -31,16 +31,13 @@ from pd_mooncake import (
 from pd_mooncake.metrics import (
     PDMooncakePromMetrics,
     PDMooncakeStats,
-    RegionMap,
-    RegionPages,
     sending_descriptors,
 )
+from pd_mooncake.worker_regions import RegionsWorker
 
 # Under "vllm." so vLLM's logging configuration (handler, level) applies.
 logger = logging.getLogger("vllm.pd_mooncake")
 
-# How long the producer waits for its ZMQ listener before failing start-up.
-LISTENER_READY_TIMEOUT_S = 120.0
 # Prefill: a transfer that stalled until Mooncake's transfer timeout is sent
 # again while another attempt (reliability.SendTimeouts.attempt_s) still ends
 # within this many seconds of the first one (_send_blocks). The hard bound is
@@ -98,7 +95,9 @@ def _upstream_builds(worker_cls: type) -> Iterator[None]:
         upstream.MooncakeConnectorWorker = original
 
 
-class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
+class PDMooncakeConnectorWorker(
+    RegionsWorker, checksum.ChecksumWorker, upstream.MooncakeConnectorWorker
+):
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         # Upstream's default protocol is rdma.
@@ -122,6 +121,7 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         )
         if not self.is_kv_consumer:
             self._bound_sends(os.environ)
+        self._install_checksum(extra)
 
     def _bound_sends(self, env: Any) -> None:
         """Prefill: fail start-up on timeouts that let a send outlive decode's
@@ -161,6 +161,9 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         else:
             super().register_kv_caches(kv_caches)
         self.regions = self._describe_regions(kv_caches)
+        self._kv_pages = None
+        if self.kv_checksum:
+            self._checksum_pages()
         self.xfer_stats.region_map = self._region_map()
         self._log_region_report()
         tcp_limits.warn_if_prompt_can_overflow(
@@ -170,136 +173,6 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
             self.block_size,
             len(self.regions),
         )
-
-    def _mla_layers(self, kv_caches: dict[str, torch.Tensor]) -> set[str]:
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-        specs = self._layer_specs
-        return {n for n in kv_caches if isinstance(specs.get(n), MLAAttentionSpec)}
-
-    def _register_backport(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """PR 39596 registration for vLLM releases without it (see registration)."""
-        # Upstream addresses kernel blocks: register per kernel block.
-        num_blocks = (
-            self.kv_cache_config.num_blocks * self._physical_blocks_per_logical_kv_block
-        )
-        plan = registration.plan_registration(
-            kv_caches, self._mla_layers(kv_caches), num_blocks
-        )
-        self._apply_plan(plan, kv_caches, num_blocks)
-        if self.engine.batch_register_memory(plan.ptrs, plan.lens) != 0:
-            raise RuntimeError("Mooncake batch memory registration failed.")
-        if not self.is_kv_consumer:
-            self._start_sender_listener()
-
-    def _apply_plan(
-        self,
-        plan: registration.RegistrationPlan,
-        kv_caches: dict[str, torch.Tensor],
-        num_blocks: int,
-    ) -> None:
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        regions = plan.regions
-        self.num_blocks = num_blocks
-        self.kv_caches_base_addr = [r.base_addr for r in regions]
-        self.seen_base_addresses = list(plan.ptrs)
-        self.block_len_per_layer = [r.block_len for r in regions]
-        self.device_kv_caches = kv_caches
-        # What upstream reads when it aligns regions with a peer (the list
-        # of what is set here is fixes.BACKPORT_SETS).
-        group_of = self.kv_cache_config.transfer_group_index_by_layer
-        self.kv_block_len_per_layer = [r.kv_block_len for r in regions]
-        self.registered_layer_names = [r.layer_name for r in regions]
-        self.registered_layer_indices = [
-            extract_layer_index(r.layer_name) for r in regions
-        ]
-        self.registered_group_indices = [group_of[r.layer_name] for r in regions]
-        self.region_shared_groups = [(g,) for g in self.registered_group_indices]
-        # Upstream treats a block-major MLA tensor as a packed row at
-        # offset 0 (eligible for coalescing) and a GQA one as no row (-1).
-        self.region_row_offsets = [
-            0 if r.layout == registration.MLA_LAYOUT else -1 for r in regions
-        ]
-        self.opaque_packed_storages = set()
-        self._prepared_transfer_regions.clear()
-
-    def _start_sender_listener(self) -> None:
-        ready = threading.Event()
-        future = upstream.asyncio.run_coroutine_threadsafe(
-            self._mooncake_sender_listener(ready), self.sender_loop
-        )
-        deadline = time.monotonic() + LISTENER_READY_TIMEOUT_S
-        while not ready.wait(timeout=1.0):
-            if future.done():
-                future.result()
-                raise RuntimeError("Mooncake sender listener exited before ready.")
-            if time.monotonic() > deadline:
-                future.cancel()
-                raise RuntimeError(
-                    f"Mooncake sender listener not ready in {LISTENER_READY_TIMEOUT_S}s"
-                )
-
-    def _describe_regions(
-        self, kv_caches: dict[str, torch.Tensor]
-    ) -> list[registration.Region]:
-        mla = self._mla_layers(kv_caches)
-        kv_lens = self.kv_block_len_per_layer
-        names = self.registered_layer_names
-        return [
-            registration.Region(
-                name,
-                registration.MLA_LAYOUT if name in mla else registration.GQA_LAYOUT,
-                base,
-                block_len,
-                kv_len,
-            )
-            for name, base, block_len, kv_len in zip(
-                names,
-                self.kv_caches_base_addr,
-                self.block_len_per_layer,
-                kv_lens,
-                strict=True,
-            )
-        ]
-
-    def _region_map(self) -> RegionMap:
-        num_blocks = (
-            self.kv_cache_config.num_blocks * self._physical_blocks_per_logical_kv_block
-        )
-        return RegionMap(
-            [
-                RegionPages(
-                    r.layer_name,
-                    r.layout,
-                    r.base_addr,
-                    r.block_len,
-                    r.kv_block_len,
-                    num_blocks,
-                )
-                for r in self.regions
-            ]
-        )
-
-    def _log_region_report(self) -> None:
-        kernel = self.block_size  # upstream set it to the kernel block size
-        path = "backport (PR 39596)" if self.backport else "upstream"
-        logger.info(
-            "PD Mooncake: %d KV regions registered, kernel block size %d, "
-            "registration %s",
-            len(self.regions),
-            kernel,
-            path,
-        )
-        for region in self.regions:
-            logger.info(
-                "PD Mooncake region: layer=%s layout=%s bytes_per_block=%d "
-                "kernel_block_size=%d",
-                region.layer_name,
-                region.layout,
-                region.kv_block_len,
-                kernel,
-            )
 
     # -- transfer -------------------------------------------------------------
     def _send_blocks(
@@ -441,7 +314,12 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
         super()._handle_failed_recv(pull_metas, outstanding, reason)
 
     def process_pulling_result(self, response: Any, pull_metas: dict) -> None:
-        if faults.active_fault() == faults.CORRUPT_RECEIVED_KV:
+        fault = faults.active_fault()
+        if fault == faults.CORRUPT_RECEIVED_KV:
+            self._corrupt(response, pull_metas)
+        # After the fault: the check must see what decode will compute with.
+        self._verify_kv_digests(response, pull_metas)
+        if fault == faults.CORRUPT_CHECKED_KV:
             self._corrupt(response, pull_metas)
         super().process_pulling_result(response, pull_metas)
         for req_id in response.ok_reqs or ():
@@ -450,22 +328,6 @@ class PDMooncakeConnectorWorker(upstream.MooncakeConnectorWorker):
             # arrives (pull_tasks_count 0), unless it failed first.
             if meta is not None and not meta.failed and meta.pull_tasks_count <= 0:
                 setattr(meta, LOADED, True)
-
-    def _corrupt(self, response: Any, pull_metas: dict) -> None:
-        ratio = self._physical_blocks_per_logical_kv_block
-        for req_id in response.ok_reqs or []:
-            meta = pull_metas.get(req_id)
-            if meta is None:
-                continue
-            logical = [b for group in meta.local_block_ids for b in group]
-            hit = faults.corrupt_blocks(
-                self.device_kv_caches,
-                registration.kernel_block_ids(logical, ratio),
-                num_blocks=self.kv_cache_config.num_blocks * ratio,
-            )
-            logger.warning(
-                "TEST FAULT: corrupted %d received blocks of %s", hit, req_id
-            )
 
 
 class PDMooncakeConnector(upstream.MooncakeConnector):

@@ -32,6 +32,9 @@ PLUGIN_KEYS: dict[str, type | tuple[type, ...]] = {
     # Decode: seconds between probes of a pending pull's prefill; a pull is
     # failed when the prefill refuses connections twice (0: never probe).
     "prefill_liveness_interval_s": (int, float),
+    # Both roles: prefill digests the KV it sends, decode verifies what
+    # landed before the request runs (pd_mooncake.checksum). Both must agree.
+    "kv_checksum": bool,
 }
 KNOWN_KEYS = {**UPSTREAM_KEYS, **PLUGIN_KEYS}
 

@@ -21,7 +21,10 @@ import torch
 FAULT_ENV = "PD_MOONCAKE_FAULT"
 FAULT_FILE_ENV = "PD_MOONCAKE_FAULT_FILE"
 CORRUPT_RECEIVED_KV = "corrupt_received_kv"
-KNOWN_FAULTS = (CORRUPT_RECEIVED_KV,)
+# The same, after decode's KV checksum (pd_mooncake.checksum) verified the
+# blocks: what the checksum cannot see, and the correctness check must.
+CORRUPT_CHECKED_KV = "corrupt_checked_kv"
+KNOWN_FAULTS = (CORRUPT_RECEIVED_KV, CORRUPT_CHECKED_KV)
 
 logger = logging.getLogger(f"vllm.{__name__}")
 

@@ -123,6 +123,10 @@ def _fault_on(extra: Mapping[str, Any], producer: bool, consumer: bool) -> bool:
     return faults.active_fault() is not None
 
 
+def _checksum_on(extra: Mapping[str, Any], producer: bool, consumer: bool) -> bool:
+    return bool(extra.get("kv_checksum"))
+
+
 FIXES: tuple[Fix, ...] = (
     Fix(
         # Every worker-side fix: upstream must build our worker class.
@@ -245,6 +249,70 @@ FIXES: tuple[Fix, ...] = (
             Method(CONNECTOR, "update_connector_output", ("connector_output",)),
             Attr(CONNECTOR, "connector_scheduler"),
         ),
+    ),
+    Fix(
+        # pd_mooncake.checksum: prefill's digests ride on its answer, decode
+        # verifies before upstream reports the request received.
+        "kv_checksum",
+        (
+            Method(
+                WORKER,
+                "_build_transfer_params",
+                ("ready_reqs", "agent_meta", "local_regions", "remote_regions"),
+                True,
+            ),
+            Calls(WORKER, "send_kv_to_decode", "self._build_transfer_params"),
+            # The answer is encoded with the worker's encoder, in the task that
+            # built the send (the digests wait in a context variable).
+            Calls(WORKER, "send_kv_to_decode", "self._encoder.encode"),
+            Calls(WORKER, "receive_kv_from_single_worker", "self._encoder.encode"),
+            Calls(
+                WORKER,
+                "receive_kv_from_single_worker",
+                "self._xfer_resp_decoder.decode",
+            ),
+            Calls(WORKER, "_sender_worker", "self._xfer_meta_decoder.decode"),
+            Calls(
+                WORKER, "receive_kv_from_single_worker", "self.process_pulling_result"
+            ),
+            Method(WORKER, "process_pulling_result", ("response", "pull_metas")),
+            Method(WORKER, "_handle_failed_recv", ("pull_metas", "req_ids", "reason")),
+            Method(WORKER, "_logical_to_kernel_block_ids", ("block_ids",)),
+            Method(
+                "",
+                "_block_ids_for_region",
+                ("block_ids_by_group", "group_index", "shared_group_ids"),
+            ),
+            *(
+                Attr(WORKER, a)
+                for a in (
+                    "_encoder",
+                    "_xfer_meta_decoder",
+                    "_xfer_resp_decoder",
+                    "device_kv_caches",
+                    "kv_caches_base_addr",
+                    "block_len_per_layer",
+                    "kv_block_len_per_layer",
+                    "registered_layer_names",
+                    "registered_group_indices",
+                    "region_shared_groups",
+                    "tp_size",
+                    "pp_size",
+                    "reqs_need_send",
+                    "finished_sending_reqs",
+                )
+            ),
+            Attr("SendBlockMeta", "transfer_id"),
+            Attr("SendBlockMeta", "p_req_id"),
+            Attr("MooncakeXferResponse", "ok_reqs"),
+            Attr("MooncakeXferMetadata", "req_blocks"),
+            Attr("MooncakeXferMetadata", "remote_tp_size"),
+            Attr("MooncakeXferMetadata", "remote_pp_size"),
+            Attr("SendBlockMeta", "local_block_ids"),
+            Attr("PullReqMeta", "local_block_ids"),
+            Attr("PullReqMeta", "failed"),
+        ),
+        _checksum_on,
     ),
     Fix(
         "received_kv_fault",

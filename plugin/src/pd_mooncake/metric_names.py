@@ -21,6 +21,11 @@ TRANSFER_TIME = "vllm:mooncake_transfer_time_seconds"
 TRANSFER_SIZE = "vllm:mooncake_transfer_size_bytes"
 # Labels only: kv_cache_dtype, tensor_parallel_size, fault_switch.
 KV_CACHE_INFO = "vllm:mooncake_kv_cache_info"
+# The opt-in KV checksum (pd_mooncake.checksum), on decode: one per region of
+# each verified request (labels region, layout); a 0/1 gauge where it is on.
+CHECKSUM_MISMATCH = "vllm:mooncake_kv_checksum_mismatch"
+CHECKSUM_MATCH = "vllm:mooncake_kv_checksum_match"
+CHECKSUM_ENABLED = "vllm:mooncake_kv_checksum_enabled"
 
 # (counter, stats key, help): one increment per list item.
 COUNTERS = (

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from pd_mooncake import faults
+from pd_mooncake import checksum, faults
 from pd_mooncake import metric_names as names
 from pd_mooncake.metric_names import COUNTERS
 
@@ -124,7 +124,15 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
         self.data[RETRIED] = []
 
     def is_empty(self) -> bool:
-        return super().is_empty() and not self.data.get(RETRIED)
+        return super().is_empty() and not any(
+            self.data.get(k) for k in (RETRIED, *checksum.STATS_KEYS)
+        )
+
+    def record_checksum(self, region: str, layout: str, ok: bool) -> None:
+        """Decode verified one region of a request (checksum.py)."""
+        key = checksum.MATCH_KEY if ok else checksum.MISMATCH_KEY
+        with self._lock:
+            self.data.setdefault(key, []).append((region, layout))
 
     def record_failed_transfer(self) -> None:
         """Inside a send (``sending_descriptors``) the failure is held by this
@@ -235,6 +243,31 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "region", "layout"],
         )
         self._publish_kv_cache_info(vllm_config, labelnames, per_engine_labelvalues)
+        self._checksum_metrics(vllm_config, labelnames, per_engine_labelvalues)
+
+    def _checksum_metrics(self, vllm_config, labelnames, per_engine_labelvalues):
+        """Decode's verdicts per region (checksum.py); 1 where it is on."""
+        self.checksum_counts = {
+            key: self._counter_cls(
+                name=name,
+                documentation=doc,
+                labelnames=[*labelnames, "region", "layout"],
+            )
+            for key, name, doc in (
+                (checksum.MATCH_KEY, checksum.MATCH, "KV regions verified intact."),
+                (checksum.MISMATCH_KEY, checksum.MISMATCH, "KV regions that differ."),
+            )
+        }
+        kv = getattr(vllm_config, "kv_transfer_config", None)
+        extra = getattr(kv, "kv_connector_extra_config", None) or {}
+        enabled = self._gauge_cls(
+            name=checksum.ENABLED,
+            documentation="1 where the opt-in KV checksum is on (kv_checksum).",
+            multiprocess_mode="mostrecent",
+            labelnames=labelnames,
+        )
+        for labels in per_engine_labelvalues.values():
+            enabled.labels(*labels).set(int(bool(extra.get(checksum.KEY))))
 
     def _own_histograms(self, labelnames, per_engine_labelvalues) -> None:
         self.transfer_time = create_metric_per_engine(
@@ -299,3 +332,6 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
         labels = self.per_engine_labelvalues[engine_idx]
         for name, layout, length in transfer_stats_data.get(REGION_BYTES, []):
             self.region_bytes.labels(*labels, name, layout).inc(length)
+        for key, counter in self.checksum_counts.items():
+            for name, layout in transfer_stats_data.get(key, []):
+                counter.labels(*labels, name, layout).inc()

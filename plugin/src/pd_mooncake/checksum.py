@@ -1,0 +1,455 @@
+"""Opt-in KV integrity check (``kv_connector_extra_config: {"kv_checksum": true}``).
+
+Prefill digests, per registered region (each MLA latent layer, the draft's
+GQA layer), exactly the block pages it sends for a request, in the order of
+the request's block list; the digests travel to decode in the pull's answer
+on the ZMQ side channel (``XferResponse.pd_kv_digests``, a field upstream's
+decoder ignores). Decode digests what landed in its own blocks when that
+answer arrives, before the request is reported received; a mismatch goes
+through upstream's failed-receive path (``_handle_failed_recv``: invalid
+block ids, so vLLM's ``kv_load_failure_policy`` fails or recomputes the
+request and the blocks never enter decode's prefix cache).
+
+The digest, per region, over the request's blocks ``i`` (position in the
+block list, not the block id: decode's ids differ from prefill's) and the
+int32 words ``j`` of each block's page::
+
+    D = sum_i P[i] * (sum_j W[j] * x[i, j])   (mod 2**64)
+
+``W`` and ``P`` are fixed odd 64-bit constants (splitmix64, the same on
+every host). Why this one:
+
+- speed: a gather of the request's blocks (``index_select``, one per region
+  and chunk of about 1 MiB, no per-block Python loop), one multiply and two
+  sums, in torch on the tensor's own device; only the regions' digests
+  (8 bytes each) reach the host. Integer arithmetic modulo 2**64 is exact,
+  so the result does not depend on the reduction order, the thread count or
+  the device, which a floating-point sum would;
+- what it catches: a changed word ``d`` changes ``D`` by ``P[i] W[j] d``,
+  which is never 0 modulo 2**64 for one word (odd factors, ``|d| < 2**32``);
+  zeros, a stale block, a block written to the wrong place and a partial
+  write change many words; two blocks swapped change ``D`` by
+  ``(P[i] - P[k]) (S[k] - S[i])``, caught unless the two blocks are equal
+  (then the swap is harmless) or with probability about 2**-62. Two or more
+  changed words cancel with probability about 2**-32 at worst (sign-bit
+  flips), far less for the failures above. Not a cryptographic hash: it
+  catches accidents, not an adversary who can write decode's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+    mooncake_connector as upstream,
+)
+
+from pd_mooncake import metric_names
+
+logger = logging.getLogger("vllm.pd_mooncake")
+
+KEY = "kv_checksum"
+# Series (pd_mooncake.metric_names): counters (a scrape adds _total) with
+# labels region and layout, and a 0/1 gauge.
+MISMATCH = metric_names.CHECKSUM_MISMATCH
+MATCH = metric_names.CHECKSUM_MATCH
+ENABLED = metric_names.CHECKSUM_ENABLED
+# Stats keys (PDMooncakeStats.data): lists of (region, layout).
+MISMATCH_KEY = "kv_checksum_mismatch"
+MATCH_KEY = "kv_checksum_match"
+STATS_KEYS = (MATCH_KEY, MISMATCH_KEY)
+# Bytes gathered per step: large enough for few kernels, small enough that
+# the gathered copy and its int64 products stay in cache.
+CHUNK_BYTES = 1 << 20
+_MASK = (1 << 64) - 1
+
+
+class XferMetadata(upstream.MooncakeXferMetadata, omit_defaults=True):
+    """Decode's pull, saying whether it wants digests (upstream's prefill
+    decoder ignores the field; ours refuses a pull that disagrees)."""
+
+    pd_kv_checksum: bool = False
+
+
+class XferResponse(upstream.MooncakeXferResponse, omit_defaults=True):
+    """Prefill's answer with, per request in ``ok_reqs``, one digest per
+    registered region (prefill's order; ``pd_kv_regions`` names them)."""
+
+    pd_kv_digests: dict[str, list[int | None]] | None = None
+    pd_kv_regions: list[str] | None = None
+
+
+# Prefill: digests of the requests of the send being built, until its
+# answer is encoded (the same task: upstream's send_kv_to_decode awaits
+# _build_transfer_params, sends, then encodes its answer).
+_PENDING: contextvars.ContextVar[dict[str, list] | None] = contextvars.ContextVar(
+    "pd_kv_digests", default=None
+)
+
+
+# -- the digest --------------------------------------------------------------
+def _splitmix64(n: int, seed: int) -> np.ndarray:
+    x = (np.arange(1, n + 1, dtype=np.uint64) + np.uint64(seed)) * np.uint64(
+        0x9E3779B97F4A7C15
+    )
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (x ^ (x >> np.uint64(31))) | np.uint64(1)
+
+
+@functools.cache
+def _weights(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    with np.errstate(over="ignore"):
+        table = _splitmix64(n, seed).view(np.int64)
+    return torch.from_numpy(table.copy()).to(device)
+
+
+def word_weights(words: int, device: torch.device) -> torch.Tensor:
+    return _weights(words, 0x5EED_0001, device)
+
+
+def position_weights(n: int, device: torch.device) -> torch.Tensor:
+    # Cached in powers of two: requests differ in length.
+    size = 1 << max(n - 1, 0).bit_length()
+    return _weights(size, 0x5EED_0002, device)[:n]
+
+
+def digest(pages: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The 0-d int64 digest of ``pages[block_ids]`` (``pages``: one row of
+    int32 words per block), on ``pages``' device."""
+    n, words = int(block_ids.numel()), pages.shape[1]
+    total = torch.zeros((), dtype=torch.int64, device=pages.device)
+    if n == 0:
+        return total
+    w = word_weights(words, pages.device)
+    p = position_weights(n, pages.device)
+    step = max(1, CHUNK_BYTES // max(1, words * pages.element_size()))
+    for start in range(0, n, step):  # chunks of blocks, not blocks
+        rows = pages.index_select(0, block_ids[start : start + step])
+        per_block = (rows * w).sum(dim=1)
+        total += (per_block * p[start : start + step]).sum()
+    return total
+
+
+def reference_digest(rows: Sequence[Sequence[int]]) -> int:
+    """The digest in plain Python (the tests' check of the torch one)."""
+    if not rows:
+        return 0
+    words = len(rows[0])
+    w = _splitmix64(words, 0x5EED_0001).tolist()
+    p = _splitmix64(len(rows), 0x5EED_0002).tolist()
+    total = sum(
+        p[i] * sum(wj * x for wj, x in zip(w, row, strict=True))
+        for i, row in enumerate(rows)
+    )
+    value = total & _MASK
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def region_pages(
+    caches: dict[str, torch.Tensor],
+    base: int,
+    block_len: int,
+    page_len: int,
+    num_blocks: int,
+) -> torch.Tensor:
+    """The (num_blocks, page_len / 4) int32 view of a registered region:
+    block b's page is [base + b * block_len, + page_len), as Mooncake
+    addresses it, on the tensor that holds it."""
+    end = base + (num_blocks - 1) * block_len + page_len
+    for cache in caches.values():
+        storage = cache.untyped_storage()
+        start = storage.data_ptr()
+        if start <= base and end <= start + storage.nbytes():
+            break
+    else:
+        raise ValueError(f"no KV tensor holds the region at {base:#x}")
+    if (base - start) % 4 or block_len % 4 or page_len % 4 or storage.nbytes() % 4:
+        raise ValueError(f"region at {base:#x}: pages are not whole int32 words")
+    raw = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage)
+    return raw.view(torch.int32).as_strided(
+        (num_blocks, page_len // 4), (block_len // 4, 1), (base - start) // 4
+    )
+
+
+# -- throughput (the report's figure; not run by the connector) ---------------
+def measure_throughput(
+    request_mib: int = 76, cache_mib: int = 512, page_bytes: int = 36864, rounds=5
+) -> dict[str, float]:
+    """GB/s of the digest over a request's scattered blocks (a 4096-token
+    prompt on the twin is 76 MiB) in a cache larger than the CPU's caches,
+    against a plain read (an int64 sum) and a copy of the same bytes."""
+    words = page_bytes // 4
+    blocks = cache_mib * 2**20 // page_bytes
+    cache = torch.randint(-(2**31), 2**31 - 1, (blocks, words), dtype=torch.int32)
+    n = request_mib * 2**20 // page_bytes
+    ids = torch.randperm(cache.shape[0])[:n]
+    gathered = cache.index_select(0, ids)
+    nbytes = n * page_bytes
+
+    def best(fn: Any) -> float:
+        fn()
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return nbytes / min(times) / 1e9
+
+    return {
+        "digest_GBps": best(lambda: digest(cache, ids)),
+        "read_GBps": best(lambda: gathered.view(torch.int64).sum()),
+        "copy_GBps": best(lambda: gathered.clone()),
+        "gather_GBps": best(lambda: cache.index_select(0, ids)),
+        "bytes": float(nbytes),
+        "threads": float(torch.get_num_threads()),
+    }
+
+
+# -- the worker side -----------------------------------------------------------
+class Encoder:
+    """Upstream's encoder, adding the pull's wish (decode) or the digests of
+    the answered requests (prefill)."""
+
+    def __init__(self, inner: Any, enabled: bool, region_names: Any) -> None:
+        self.inner = inner
+        self.enabled = enabled
+        self.region_names = region_names
+
+    def encode(self, obj: Any) -> bytes:
+        if self.enabled and type(obj) is upstream.MooncakeXferMetadata:
+            obj = XferMetadata(**msgspec.structs.asdict(obj), pd_kv_checksum=True)
+        elif type(obj) is upstream.MooncakeXferResponse and obj.ok_reqs:
+            pending = _PENDING.get()
+            if pending:
+                digests = {r: pending.pop(r) for r in obj.ok_reqs if r in pending}
+                if digests:
+                    obj = XferResponse(
+                        **msgspec.structs.asdict(obj),
+                        pd_kv_digests=digests,
+                        pd_kv_regions=list(self.region_names()),
+                    )
+        return self.inner.encode(obj)
+
+
+class ChecksumWorker:
+    """Mixed into the connector worker (before upstream's class)."""
+
+    kv_checksum = False
+
+    def _install_checksum(self, extra: Any) -> None:
+        self.kv_checksum = bool(extra.get(KEY, False))
+        if self.kv_checksum and self.kv_cache_config.has_mamba_layers:
+            raise ValueError(
+                f"kv_connector_extra_config[{KEY!r}]: not supported with Mamba "
+                "layers (their state blocks are not pages)"
+            )
+        self._kv_pages: list[torch.Tensor] | None = None
+        self._checksum_refused: set[str] = set()
+        # Both decoders tolerate either side's messages: a prefill with the
+        # check off still reads (and refuses) a decode that wants digests.
+        self._xfer_meta_decoder = msgspec.msgpack.Decoder(XferMetadata)
+        self._xfer_resp_decoder = msgspec.msgpack.Decoder(XferResponse)
+        self._encoder = Encoder(
+            self._encoder, self.kv_checksum, lambda: self.registered_layer_names
+        )
+
+    # both sides ---------------------------------------------------------------
+    def _checksum_pages(self) -> list[torch.Tensor]:
+        """Each registered region's pages as tensors (after registration;
+        register_kv_caches builds them once, so a layout the digest cannot
+        read fails start-up)."""
+        if self._kv_pages is None:
+            num_blocks = (
+                self.kv_cache_config.num_blocks
+                * self._physical_blocks_per_logical_kv_block
+            )
+            self._kv_pages = [
+                region_pages(self.device_kv_caches, base, block, page, num_blocks)
+                for base, block, page in zip(
+                    self.kv_caches_base_addr,
+                    self.block_len_per_layer,
+                    self.kv_block_len_per_layer,
+                    strict=True,
+                )
+            ]
+        return self._kv_pages
+
+    def _kv_digests(self, block_ids_by_group: list[list[int]]) -> list[int | None]:
+        """Per registered region, the digest of these logical blocks (None
+        where the region's group has none)."""
+        kernel = self._logical_to_kernel_block_ids(block_ids_by_group)
+        out: list[torch.Tensor | None] = []
+        # One index tensor per group and device, shared by its regions.
+        indexes: dict[tuple, torch.Tensor | None] = {}
+        for pages, group, shared in zip(
+            self._checksum_pages(),
+            self.registered_group_indices,
+            self.region_shared_groups,
+            strict=True,
+        ):
+            key = (group, tuple(shared), pages.device)
+            if key not in indexes:
+                ids = upstream._block_ids_for_region(kernel, group, tuple(shared))
+                indexes[key] = (
+                    torch.tensor(ids, dtype=torch.long).to(pages.device)
+                    if ids
+                    else None
+                )
+            index = indexes[key]
+            out.append(None if index is None else digest(pages, index))
+        present = [d for d in out if d is not None]
+        values = iter(torch.stack(present).tolist() if present else [])
+        return [None if d is None else next(values) for d in out]
+
+    # prefill ------------------------------------------------------------------
+    def _checksum_refusal(self, meta: Any) -> str | None:
+        wanted = bool(getattr(meta, "pd_kv_checksum", False))
+        peer = f"{meta.remote_hostname}:{meta.remote_port}"
+        if wanted != self.kv_checksum:
+            reason = (
+                f"{KEY} disagrees: prefill has {KEY}={self.kv_checksum}, decode "
+                f"{peer} {KEY}={wanted}; set the same value in both roles' "
+                "kv_connector_extra_config"
+            )
+        elif self.kv_checksum and (
+            meta.remote_tp_size != self.tp_size
+            or getattr(meta, "remote_pp_size", 1) != self.pp_size
+        ):
+            reason = (
+                f"{KEY} needs the same TP and PP on both roles: prefill TP "
+                f"{self.tp_size} PP {self.pp_size}, decode {peer} TP "
+                f"{meta.remote_tp_size} PP {getattr(meta, 'remote_pp_size', 1)}"
+            )
+        else:
+            return None
+        if peer not in self._checksum_refused:
+            self._checksum_refused.add(peer)
+            logger.error("PD Mooncake: refusing pulls from %s: %s", peer, reason)
+        return reason
+
+    async def _build_transfer_params(
+        self,
+        ready_reqs: list,
+        agent_meta: Any,
+        local_regions: list,
+        remote_regions: list,
+    ) -> tuple[list[int], list[int], list[int], list[str], str | None]:
+        refusal = self._checksum_refusal(agent_meta)
+        if refusal is not None:
+            # Nothing is sent, now or later (a configuration matter): decode
+            # fails these requests with the reason, and prefill frees their
+            # blocks now, not at its abort timeout.
+            for _, send_meta in ready_reqs:
+                if self.reqs_need_send.pop(send_meta.transfer_id, None) is not None:
+                    self.finished_sending_reqs.add(send_meta.p_req_id)
+            return [], [], [], [d for d, _ in ready_reqs], refusal
+        built = await super()._build_transfer_params(  # type: ignore[misc]
+            ready_reqs, agent_meta, local_regions, remote_regions
+        )
+        if not self.kv_checksum:
+            return built
+        failed = set(built[3])
+        sent = {
+            d_req_id: _sent_blocks(
+                meta.local_block_ids, agent_meta.req_blocks[d_req_id][1]
+            )
+            for d_req_id, meta in ready_reqs
+            if d_req_id not in failed
+        }
+        # The bytes do not change while they are sent (prefill holds the
+        # blocks until decode has them), so the digests can come first.
+        loop = asyncio.get_running_loop()
+        _PENDING.set(
+            {
+                d_req_id: await loop.run_in_executor(None, self._kv_digests, ids)
+                for d_req_id, ids in sent.items()
+                if any(ids)
+            }
+        )
+        return built
+
+    # decode -------------------------------------------------------------------
+    def _verify_kv_digests(self, response: Any, pull_metas: dict) -> None:
+        """Before upstream reports ``response.ok_reqs`` received: take those
+        whose KV does not match prefill's digests out of it and fail them."""
+        if not self.kv_checksum or not response.ok_reqs:
+            return
+        sent = getattr(response, "pd_kv_digests", None) or {}
+        names = getattr(response, "pd_kv_regions", None)
+        failed: dict[str, str] = {}
+        for req_id in response.ok_reqs:
+            meta = pull_metas.get(req_id)
+            if meta is None or meta.failed or not any(meta.local_block_ids):
+                continue
+            expected = sent.get(req_id)
+            if expected is None:
+                failed[req_id] = (
+                    f"prefill sent no KV digest ({KEY} off on prefill, or prefill "
+                    "is not PDMooncakeConnector): set it on both roles"
+                )
+                continue
+            reason = self._compare(req_id, expected, names, meta.local_block_ids)
+            if reason:
+                failed[req_id] = reason
+        if failed:
+            response.ok_reqs = [r for r in response.ok_reqs if r not in failed] or None
+            for req_id, reason in failed.items():
+                self._handle_failed_recv(pull_metas, [req_id], reason)
+
+    def _compare(
+        self, req_id: str, expected: list[int], names: Any, blocks: list[list[int]]
+    ) -> str | None:
+        mine = self.registered_layer_names
+        if names != mine or len(expected) != len(mine):
+            return f"KV checksum: prefill's regions {names} are not decode's {mine}"
+        got = self._kv_digests(blocks)
+        layouts = [r.layout for r in self.regions] or ["unknown"] * len(mine)
+        bad = []
+        for name, layout, want, have in zip(mine, layouts, expected, got, strict=True):
+            if have is None:
+                continue
+            ok = have == want
+            self.xfer_stats.record_checksum(name, layout, ok)
+            if not ok:
+                bad.append((name, layout, want, have))
+        if not bad:
+            return None
+        name, layout, want, have = bad[0]
+        logger.error(
+            "PD Mooncake: KV checksum mismatch: request %s region %s (%s): prefill "
+            "%s, decode %s (%d of %d regions differ)",
+            req_id,
+            name,
+            layout,
+            _hex(want),
+            _hex(have),
+            len(bad),
+            sum(g is not None for g in got),
+        )
+        return f"KV checksum mismatch in {len(bad)} regions (first: {name})"
+
+
+def _hex(value: int | None) -> str:
+    return "none" if value is None else f"{value & _MASK:#018x}"
+
+
+def _sent_blocks(local: list[list[int]], remote: list[list[int]]) -> list[list[int]]:
+    """Prefill's logical blocks that upstream sends into decode's ``remote``,
+    in decode's order: per group the last ``len(remote)`` (a partial prefix
+    hit on decode reads only the blocks it lacks; _build_transfer_params)."""
+    if not any(remote):
+        return []
+    return [
+        list(mine[-len(theirs) :]) if theirs else []
+        for mine, theirs in zip(local, remote, strict=True)
+    ]
