@@ -64,8 +64,10 @@ def checksum_on(stack: Stack) -> bool:
     print(f"kv_checksum: {on}")
     assert on["prefill"] == on["decode"], on
     if stack.owned:
-        # The twin serves what configs/vllm says (kv_checksum: true there).
-        flags = config.vllm_flags("decode", "tiny", "cpu")["kv-transfer-config"]
+        # The twin serves what configs/vllm says (kv_checksum: true there),
+        # or PD_MOONCAKE_KV_CHECKSUM in this environment.
+        rendered = config.with_env_overrides(config.vllm_flags("decode", "tiny", "cpu"))
+        flags = rendered["kv-transfer-config"]
         configured = flags["kv_connector_extra_config"].get("kv_checksum", False)
         assert on["decode"] == configured, (on, configured)
     return on["decode"]
