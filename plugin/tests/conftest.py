@@ -144,3 +144,24 @@ def make_worker(
 
     worker.xfer_stats = PDMooncakeStats()
     return worker
+
+
+def pull_worker(interval: float) -> Any:
+    """A decode worker with only what a pull's failure path touches (the full
+    constructor needs a running vLLM)."""
+    import queue
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+        mooncake_connector as upstream,
+    )
+
+    from pd_mooncake.connector import PDMooncakeConnectorWorker
+
+    worker = object.__new__(PDMooncakeConnectorWorker)
+    worker.liveness_interval_s = interval
+    worker.xfer_stats = upstream.MooncakeKVConnectorStats()
+    worker._is_hma_required = False
+    worker._invalid_block_ids = queue.Queue()
+    worker._failed_recv_reqs = queue.Queue()
+    worker.finished_recving_reqs = set()
+    return worker

@@ -22,6 +22,7 @@ from test_transfer import (
     SHAPES,
     connector_worker,
 )
+from test_transfer import pull_metadata as worker_pull
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
@@ -266,22 +267,7 @@ def decode_side(
     worker._failed_recv_reqs = queue.Queue()
     worker._is_hma_required = True  # two KV cache groups: per request
     blocks = [DECODE_BLOCKS, DECODE_BLOCKS]
-    metadata = upstream.MooncakeXferMetadata(
-        remote_hostname=worker.hostname,
-        remote_port=worker.rpc_port,
-        remote_tp_size=1,
-        remote_tp_rank=0,
-        remote_pp_size=1,
-        req_blocks={"d-req": ("xfer-1", blocks)},
-        kv_caches_base_addr=worker.kv_caches_base_addr,
-        block_lens=worker.block_len_per_layer,
-        kv_block_lens=worker.kv_block_len_per_layer,
-        registered_layer_names=worker.registered_layer_names,
-        registered_layer_indices=worker.registered_layer_indices,
-        registered_group_indices=worker.registered_group_indices,
-        registered_shared_group_ids=[list(g) for g in worker.region_shared_groups],
-        registered_row_offsets=worker.region_row_offsets,
-    )
+    metadata = worker_pull(worker, blocks)
     to_prefill.put(worker._encoder.encode(metadata))
     response = worker._xfer_resp_decoder.decode(from_prefill.get(timeout=DEADLINE_S))
     pull = upstream.PullReqMeta(

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from test_metrics import RegisteredIn
+from test_metrics import prom_metrics
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import base
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -409,17 +409,7 @@ def load_stats_module(root: Path) -> ModuleType:
 def published(upstream_cls: type | None, monkeypatch) -> dict[str, float]:
     monkeypatch.setattr(fixes, "upstream_prom_metrics", lambda: upstream_cls)
     registry = CollectorRegistry()
-    prom = metrics.PDMooncakePromMetrics(
-        SimpleNamespace(
-            kv_transfer_config=None,
-            cache_config=SimpleNamespace(cache_dtype="auto"),
-            model_config=SimpleNamespace(dtype="torch.float32"),
-            parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        ),
-        RegisteredIn(registry).types,
-        ["model_name", "engine"],
-        {0: ["m", "0"]},
-    )
+    prom = prom_metrics(registry)
     stats = metrics.PDMooncakeStats()
     stats.record_transfer(0.002, 600, 3)
     stats.record_failed_transfer()

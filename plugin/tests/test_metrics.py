@@ -42,9 +42,10 @@ def _bind(kind, registry):
     return __init__
 
 
-def exported(data: dict) -> dict[str, float]:
-    registry = CollectorRegistry()
-    prom = metrics.PDMooncakePromMetrics(
+def prom_metrics(registry: CollectorRegistry) -> metrics.PDMooncakePromMetrics:
+    """The plugin's Prometheus metrics for one engine, registered in
+    ``registry``, with the config fields they read."""
+    return metrics.PDMooncakePromMetrics(
         SimpleNamespace(
             kv_transfer_config=None,
             cache_config=SimpleNamespace(cache_dtype="auto"),
@@ -55,6 +56,11 @@ def exported(data: dict) -> dict[str, float]:
         ["model_name", "engine"],
         {0: ["m", "0"]},
     )
+
+
+def exported(data: dict) -> dict[str, float]:
+    registry = CollectorRegistry()
+    prom = prom_metrics(registry)
     prom.observe(data, 0)
     # Read back from the exposition text /metrics serves (what Prometheus and
     # the e2e suite parse), not from the registry's objects.

@@ -11,7 +11,6 @@ it holds its blocks until the process exits.
 from __future__ import annotations
 
 import asyncio
-import queue
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
 )
 from vllm.v1.request import RequestStatus
 
-from conftest import BLOCK_SIZE, kv_cache_config
+from conftest import BLOCK_SIZE, kv_cache_config, pull_worker
 from pd_mooncake import CONNECTOR_NAME, extra_config, reliability
 from pd_mooncake import connector as connector_module
 from pd_mooncake.connector import PDMooncakeConnector, PDMooncakeConnectorWorker
@@ -445,18 +444,6 @@ def test_side_channel_offset_is_validated() -> None:
 
 
 # -- decode: a pull whose prefill is gone ----------------------------------------
-
-
-def pull_worker(interval: float) -> PDMooncakeConnectorWorker:
-    """A decode worker with only what a pull's failure path touches."""
-    worker = object.__new__(PDMooncakeConnectorWorker)
-    worker.liveness_interval_s = interval
-    worker.xfer_stats = upstream.MooncakeKVConnectorStats()
-    worker._is_hma_required = False
-    worker._invalid_block_ids = queue.Queue()
-    worker._failed_recv_reqs = queue.Queue()
-    worker.finished_recving_reqs = set()
-    return worker
 
 
 def pull_meta(bootstrap: str) -> dict[str, upstream.PullReqMeta]:
