@@ -7,7 +7,6 @@ through Prometheus' HTTP API. Debian's `prometheus` package (make install).
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -20,7 +19,7 @@ from urllib.parse import urlsplit
 import requests
 import yaml
 
-from pdstack import compose, wait
+from pdstack import compose, supervisor, wait
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "docker" / "monitoring"
@@ -115,17 +114,11 @@ class Prometheus:
         return body["data"]["alerts"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def running(config: Mapping[str, Any], log: Path | None = None) -> Iterator[Prometheus]:
     """Prometheus on 127.0.0.1 with ``config``, its data in a temporary
     directory; stopped (and the directory removed) on exit."""
-    port = _free_port()
+    port = supervisor.free_port()
     with tempfile.TemporaryDirectory(prefix="pd-prometheus-") as tmp:
         config_file = Path(tmp) / "prometheus.yml"
         config_file.write_text(yaml.safe_dump(dict(config)))

@@ -10,7 +10,6 @@ forwarded request, and /health stays open.
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,15 +20,10 @@ import requests
 from aiohttp import web
 
 from pdstack import route
+from pdstack.supervisor import free_port
 
 KEY = "k-3f9a1c"
 CHUNKS = 3
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Upstream:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import socket
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
 
+from conftest import REGISTRATION_STATE, pull_worker
 from pd_mooncake import reliability
 from pd_mooncake.connector import PDMooncakeConnectorWorker
 
@@ -41,12 +41,6 @@ MODEL_DIRS = sorted(
 )
 PROMPT_TOKENS = 32  # two 16-token blocks per request
 DEADLINE_S = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # -- vLLM's scheduler, decode role -----------------------------------------------
@@ -159,25 +153,10 @@ def step(scheduler: Any, worker: PDMooncakeConnectorWorker) -> Any:
 def decode_worker(interval: float) -> PDMooncakeConnectorWorker:
     """The state upstream's receive_kv_from_single_worker and its failure
     path read (the full constructor needs a running vLLM)."""
-    worker = object.__new__(PDMooncakeConnectorWorker)
-    worker.liveness_interval_s = interval
-    worker.xfer_stats = upstream.MooncakeKVConnectorStats()
-    worker._is_hma_required = False
-    worker._invalid_block_ids = queue.Queue()
-    worker._failed_recv_reqs = queue.Queue()
-    worker.finished_recving_reqs = set()
+    worker = pull_worker(interval)
     worker.hostname, worker.rpc_port = "127.0.0.1", 1
     worker.tp_size, worker.tp_rank, worker.pp_size = 1, 0, 1
-    for name in (
-        "kv_caches_base_addr",
-        "block_len_per_layer",
-        "kv_block_len_per_layer",
-        "registered_layer_names",
-        "registered_layer_indices",
-        "registered_group_indices",
-        "region_shared_groups",
-        "region_row_offsets",
-    ):
+    for name in REGISTRATION_STATE:
         setattr(worker, name, [])
     worker.async_zmq_ctx = zmq.asyncio.Context()
     worker._encoder = msgspec.msgpack.Encoder()
