@@ -12,7 +12,6 @@ above idle on prefill; a request stuck waiting for KV as a fetch stage above
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -254,18 +253,9 @@ def poll_last(
     what: str,
     interval_s: float = 0.5,
 ) -> tuple[float, T]:
-    """``wait.poll`` that hands back (seconds, last value) at the deadline
-    instead of raising: a case records what it saw before it asserts."""
-    start = time.monotonic()
-    seen: list[T] = []
-
-    def keep() -> T:
-        seen.append(probe())
-        return seen[-1]
-
-    with contextlib.suppress(wait.WaitError):
-        wait.poll(keep, done, deadline_s, what, interval_s=interval_s)
-    return time.monotonic() - start, seen[-1]
+    """``wait.poll_last`` at the fault suite's half-second interval: a case
+    records what it saw before it asserts."""
+    return wait.poll_last(probe, done, deadline_s, what, interval_s)
 
 
 def wait_idle(

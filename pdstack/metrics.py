@@ -97,13 +97,10 @@ def settle(
     Returns the last delta either way: the caller's assertions say what is
     missing, with the numbers.
     """
-    last: list[Snapshot] = []
-
-    def delta() -> Snapshot:
-        last[:] = [scrape(base_url) - before]
-        return last[0]
-
-    try:
-        return wait.poll(delta, done, deadline_s, f"{base_url}/metrics", interval_s)
-    except wait.WaitError:
-        return last[0]
+    return wait.poll_last(
+        lambda: scrape(base_url) - before,
+        done,
+        deadline_s,
+        f"{base_url}/metrics",
+        interval_s,
+    )[1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import time
@@ -55,6 +56,27 @@ def poll(
 
 # Access-log lines of pollers: they bury a server's last words.
 POLLING = re.compile(r'"GET /(health|metrics)[ ?]')
+
+
+def poll_last(
+    probe: Callable[[], T],
+    done: Callable[[T], bool],
+    deadline_s: float,
+    what: str,
+    interval_s: float = 0.25,
+) -> tuple[float, T]:
+    """:func:`poll` that hands back (seconds, last value) at the deadline
+    instead of raising: the caller records or asserts on what it saw."""
+    start = time.monotonic()
+    seen: list[T] = []
+
+    def keep() -> T:
+        seen.append(probe())
+        return seen[-1]
+
+    with contextlib.suppress(WaitError):
+        poll(keep, done, deadline_s, what, interval_s=interval_s)
+    return time.monotonic() - start, seen[-1]
 
 
 def tail(path: Path, lines: int = 40) -> str:
