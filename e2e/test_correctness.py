@@ -6,7 +6,9 @@ whose numerics depend on the batch, up to the reference's first near-tie.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -64,10 +66,24 @@ def test_sixteen_distinct_prompts_at_once(stack: Stack) -> None:
     assert len({tuple(s.token for s in e) for e in expected}) > 8
 
 
-def _peak_running(url: str, stop: threading.Event, peak: list[float]) -> None:
-    while not stop.is_set():
-        peak[0] = max(peak[0], m.scrape(url).total(m.RUNNING))
-        stop.wait(0.05)
+@contextlib.contextmanager
+def peak_running(url: str) -> Iterator[list[float]]:
+    """The most requests the server's gauge showed running at once while the
+    block ran (scraped every 50 ms)."""
+    stop, peak = threading.Event(), [0.0]
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], m.scrape(url).total(m.RUNNING))
+            stop.wait(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        watcher.join(timeout=30)
 
 
 @pytest.mark.parametrize("server", ["prefill", "decode"])
@@ -81,24 +97,23 @@ def test_batch_invariance(stack: Stack, server: str) -> None:
     url = getattr(stack, server)
     prompt = stack.prompt(37, salt=7)
     others = [stack.prompt(29, salt=8), stack.prompt(51, salt=9)]
-    done = client.trace(url, prompt, MAX_TOKENS)
+    with peak_running(url) as single:
+        done = client.trace(url, prompt, MAX_TOKENS)
     assert done.top_logprobs is not None
     alone = oracle.steps(done.token_ids, done.top_logprobs)
-    stop, peak = threading.Event(), [0.0]
-    watcher = threading.Thread(target=_peak_running, args=(url, stop, peak))
-    watcher.start()
-    try:
-        with ThreadPoolExecutor(max_workers=3) as pool:
-            batched = list(
-                pool.map(
-                    lambda p: client.complete(url, p, 4 * MAX_TOKENS).token_ids,
-                    [prompt, *others],
-                )
+    with peak_running(url) as peak, ThreadPoolExecutor(max_workers=3) as pool:
+        batched = list(
+            pool.map(
+                lambda p: client.complete(url, p, 4 * MAX_TOKENS).token_ids,
+                [prompt, *others],
             )
-    finally:
-        stop.set()
-        watcher.join(timeout=30)
-    print(f"{server}: up to {peak[0]:.0f} requests running at once")
+        )
+    print(
+        f"{server}: up to {peak[0]:.0f} requests running at once "
+        f"({single[0]:.0f} for the prompt alone)"
+    )
+    # Negative control: the same watch sees no batch around a lone request.
+    assert single[0] <= 1
     assert peak[0] >= 2, "the three requests never ran in one batch"
     verdict = stack.judge(alone, batched[0][:MAX_TOKENS], f"{server} batched")
     assert verdict.ok, verdict.describe()
