@@ -24,8 +24,14 @@ LENGTHS = {
 }
 
 
-def pd_request(stack: Stack, prompt: list[int]) -> tuple[m.Snapshot, m.Snapshot]:
-    """One request through the router; the (decode, prefill) metric deltas."""
+@pytest.fixture(scope="module", params=list(LENGTHS))
+def sent(
+    request: pytest.FixtureRequest, stack: Stack, layout: kv_layout.KVLayout
+) -> tuple[int, m.Snapshot, m.Snapshot]:
+    """One request of each length through the router, read by both sides'
+    tests: its length and the (decode, prefill) metric deltas."""
+    length = LENGTHS[request.param](layout.block_size)
+    prompt = stack.prompt(length, salt=1000 + length)
     decode0, prefill0 = m.scrape(stack.decode), m.scrape(stack.prefill)
     client.complete(stack.router, prompt, max_tokens=8)
     decode = m.settle(
@@ -34,16 +40,13 @@ def pd_request(stack: Stack, prompt: list[int]) -> tuple[m.Snapshot, m.Snapshot]
         lambda d: d.total(m.PROMPT_TOKENS_BY_SOURCE) >= len(prompt),
     )
     prefill = m.settle(stack.prefill, prefill0, lambda d: d.total(m.TRANSFERS) >= 1)
-    return decode, prefill
+    return length, decode, prefill
 
 
-@pytest.mark.parametrize("name", LENGTHS)
 def test_decode_loads_the_prompt_from_prefill(
-    stack: Stack, layout: kv_layout.KVLayout, name: str
+    sent: tuple[int, m.Snapshot, m.Snapshot],
 ) -> None:
-    length = LENGTHS[name](layout.block_size)
-    prompt = stack.prompt(length, salt=1000 + length)
-    decode, _ = pd_request(stack, prompt)
+    length, decode, _ = sent
     by_source = decode.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
     external = decode.total(m.EXTERNAL_HITS)
     print(
@@ -55,13 +58,10 @@ def test_decode_loads_the_prompt_from_prefill(
     assert by_source.get("local_compute", 0) == length - loaded
 
 
-@pytest.mark.parametrize("name", LENGTHS)
 def test_prefill_transfer_metrics(
-    stack: Stack, layout: kv_layout.KVLayout, name: str
+    sent: tuple[int, m.Snapshot, m.Snapshot], layout: kv_layout.KVLayout
 ) -> None:
-    length = LENGTHS[name](layout.block_size)
-    prompt = stack.prompt(length, salt=2000 + length)
-    _, prefill = pd_request(stack, prompt)
+    length, _, prefill = sent
     regions = prefill.by_label(m.REGION_BYTES, "layout")
     tokens = kv_layout.tokens_loaded(length)
     expected = layout.transfer_bytes(tokens)
