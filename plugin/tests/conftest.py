@@ -4,6 +4,7 @@ mixed MLA + GQA KV tensors shaped like a DeepSeek target with an Eagle draft."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -13,6 +14,9 @@ import torch
 import zmq.asyncio
 
 pytest.importorskip("vllm")
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+    mooncake_connector as upstream,
+)
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -151,10 +155,6 @@ def pull_worker(interval: float) -> Any:
     constructor needs a running vLLM)."""
     import queue
 
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
-        mooncake_connector as upstream,
-    )
-
     from pd_mooncake.connector import PDMooncakeConnectorWorker
 
     worker = object.__new__(PDMooncakeConnectorWorker)
@@ -165,3 +165,64 @@ def pull_worker(interval: float) -> Any:
     worker._failed_recv_reqs = queue.Queue()
     worker.finished_recving_reqs = set()
     return worker
+
+
+def pull_meta(bootstrap: str, tasks: int = 0) -> dict[str, upstream.PullReqMeta]:
+    """Decode's pull of blocks 4 and 5 for request d-1 from ``bootstrap``."""
+    meta = upstream.PullReqMeta(
+        d_req_id="d-1",
+        transfer_id="xfer-1",
+        local_block_ids=[[4, 5]],
+        remote_engine_id="pd-prefill",
+        remote_bootstrap_addr=bootstrap,
+    )
+    meta.pull_tasks_count = tasks
+    return {"d-1": meta}
+
+
+async def never_answers(self: Any, worker_addr: str, pull_metas: dict) -> None:
+    await asyncio.sleep(3600)  # the side channel went with its prefill
+
+
+@pytest.fixture
+def pull_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        upstream.MooncakeConnectorWorker, "receive_kv_from_single_worker", never_answers
+    )
+
+
+def timed_pull(
+    worker: Any,
+    bootstrap: str,
+    limit_s: float,
+    busy_loop_s: float = 0.0,
+    tasks: int = 0,
+) -> tuple[bool, float]:
+    """(finished within limit_s, seconds) of the worker's pull from
+    ``bootstrap``. ``busy_loop_s``: block decode's receiver loop that long once
+    per liveness interval (a loaded decode)."""
+    interval = worker.liveness_interval_s
+
+    async def hog() -> None:
+        while True:
+            await asyncio.sleep(interval / 2)
+            time.sleep(busy_loop_s)  # holds the loop, as a CPU-bound step would
+
+    async def go() -> tuple[bool, float]:
+        hogging = asyncio.ensure_future(hog()) if busy_loop_s else None
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(
+                worker.receive_kv_from_single_worker(
+                    "tcp://127.0.0.1:1", pull_meta(bootstrap, tasks)
+                ),
+                limit_s,
+            )
+        except asyncio.TimeoutError:
+            return False, time.monotonic() - start
+        finally:
+            if hogging:
+                hogging.cancel()
+        return True, time.monotonic() - start
+
+    return asyncio.run(go())

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
 )
 
 from conftest import REGISTRATION_STATE, pull_worker
+from conftest import timed_pull as conftest_timed_pull
 from pd_mooncake import reliability
 from pd_mooncake.connector import PDMooncakeConnectorWorker
 
@@ -287,63 +288,18 @@ def silent_port() -> tuple[socket.socket, list[socket.socket], int]:
     return listener, held, port
 
 
-async def never_answers(self: Any, worker_addr: str, pull_metas: dict) -> None:
-    await asyncio.sleep(3600)  # the side channel went with the host
-
-
-def pull_meta(bootstrap_url: str) -> dict[str, upstream.PullReqMeta]:
-    meta = upstream.PullReqMeta(
-        d_req_id="d-1",
-        transfer_id="xfer-1",
-        local_block_ids=[[4, 5]],
-        remote_engine_id="pd-prefill",
-        remote_bootstrap_addr=bootstrap_url,
-    )
-    meta.pull_tasks_count = 1
-    return {"d-1": meta}
-
-
 def timed_pull(
     bootstrap_url: str, interval: float, limit_s: float, busy_loop_s: float = 0.0
 ) -> tuple[bool, float, PDMooncakeConnectorWorker]:
-    """(failed within limit_s, seconds, worker). ``busy_loop_s``: block decode's
-    receiver loop that long once per interval (a loaded decode)."""
+    """conftest.timed_pull on a fresh decode worker, and that worker."""
     worker = decode_worker(interval)
-
-    async def hog() -> None:
-        while True:
-            await asyncio.sleep(interval / 2)
-            time.sleep(busy_loop_s)  # holds the loop, as a CPU-bound step would
-
-    async def go() -> tuple[bool, float]:
-        hogging = asyncio.ensure_future(hog()) if busy_loop_s else None
-        start = time.monotonic()
-        try:
-            await asyncio.wait_for(
-                worker.receive_kv_from_single_worker(
-                    "tcp://127.0.0.1:1", pull_meta(bootstrap_url)
-                ),
-                limit_s,
-            )
-        except asyncio.TimeoutError:
-            return False, time.monotonic() - start
-        finally:
-            if hogging:
-                hogging.cancel()
-        return True, time.monotonic() - start
-
     try:
-        failed, took = asyncio.run(go())
+        failed, took = conftest_timed_pull(
+            worker, bootstrap_url, limit_s, busy_loop_s, tasks=1
+        )
     finally:
         worker.async_zmq_ctx.destroy(linger=0)
     return failed, took, worker
-
-
-@pytest.fixture
-def pull_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        upstream.MooncakeConnectorWorker, "receive_kv_from_single_worker", never_answers
-    )
 
 
 INTERVAL_S = 0.5

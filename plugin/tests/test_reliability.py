@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
 )
 from vllm.v1.request import RequestStatus
 
-from conftest import BLOCK_SIZE, kv_cache_config, pull_worker
+from conftest import BLOCK_SIZE, kv_cache_config, pull_worker, timed_pull
 from pd_mooncake import CONNECTOR_NAME, extra_config, reliability
 from pd_mooncake import connector as connector_module
 from pd_mooncake.connector import PDMooncakeConnector, PDMooncakeConnectorWorker
@@ -446,68 +446,26 @@ def test_side_channel_offset_is_validated() -> None:
 # -- decode: a pull whose prefill is gone ----------------------------------------
 
 
-def pull_meta(bootstrap: str) -> dict[str, upstream.PullReqMeta]:
-    meta = upstream.PullReqMeta(
-        d_req_id="d-1",
-        transfer_id="xfer-1",
-        local_block_ids=[[4, 5]],
-        remote_engine_id="pd-prefill",
-        remote_bootstrap_addr=bootstrap,
-    )
-    return {"d-1": meta}
-
-
-async def never_answers(self: Any, worker_addr: str, pull_metas: dict) -> None:
-    await asyncio.sleep(3600)  # prefill died with our request
-
-
-def run_pull(
-    worker: PDMooncakeConnectorWorker, bootstrap: str, limit_s: float
-) -> tuple[bool, float]:
-    """(finished within limit_s, seconds)."""
-
-    async def go() -> tuple[bool, float]:
-        start = time.monotonic()
-        try:
-            await asyncio.wait_for(
-                worker.receive_kv_from_single_worker("tcp://x:1", pull_meta(bootstrap)),
-                limit_s,
-            )
-        except asyncio.TimeoutError:
-            return False, time.monotonic() - start
-        return True, time.monotonic() - start
-
-    return asyncio.run(go())
-
-
-def test_a_pull_from_a_dead_prefill_fails_within_seconds(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(
-        upstream.MooncakeConnectorWorker, "receive_kv_from_single_worker", never_answers
-    )
+@pytest.mark.usefixtures("pull_never_answers")
+def test_a_pull_from_a_dead_prefill_fails_within_seconds() -> None:
     dead = f"http://127.0.0.1:{free_port_pair()}"  # nothing listens there
     worker = pull_worker(interval=0.2)
-    finished, took = run_pull(worker, dead, limit_s=10)
+    finished, took = timed_pull(worker, dead, limit_s=10)
     print(f"pull from a dead prefill failed after {took:.2f}s")
     assert finished and took < 2
     assert worker.finished_recving_reqs == {"d-1"}
     assert worker._invalid_block_ids.get_nowait() == {4, 5}
 
 
-def test_a_pull_from_a_live_prefill_is_left_alone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.mark.usefixtures("pull_never_answers")
+def test_a_pull_from_a_live_prefill_is_left_alone() -> None:
     """Negative control: the bootstrap port answers, so a slow pull waits."""
-    monkeypatch.setattr(
-        upstream.MooncakeConnectorWorker, "receive_kv_from_single_worker", never_answers
-    )
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(16)
         alive = f"http://127.0.0.1:{listener.getsockname()[1]}"
         worker = pull_worker(interval=0.2)
-        finished, _ = run_pull(worker, alive, limit_s=1.5)
+        finished, _ = timed_pull(worker, alive, limit_s=1.5)
     assert not finished
     assert worker.finished_recving_reqs == set()
 
