@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import math
 import os
 import subprocess
@@ -334,19 +335,15 @@ def test_block16_matches_block32_and_reference(
     reference = reference_attention(batch, inputs)
 
     with torch_threads(threads):
-        out16, isa16 = run_cpu_attn(
-            batch,
-            inputs,
-            16,
-            shuffled_block_table(batch, 16, seed=1),
-            enable_kv_split=enable_kv_split,
-        )
-        out32, isa32 = run_cpu_attn(
-            batch,
-            inputs,
-            NATIVE_BLOCK_SIZE,
-            shuffled_block_table(batch, NATIVE_BLOCK_SIZE, seed=2),
-            enable_kv_split=enable_kv_split,
+        (out16, isa16), (out32, isa32) = (
+            run_cpu_attn(
+                batch,
+                inputs,
+                size,
+                shuffled_block_table(batch, size, seed=seed),
+                enable_kv_split=enable_kv_split,
+            )
+            for size, seed in ((16, 1), (NATIVE_BLOCK_SIZE, 2))
         )
     # The point is comparing two different kernels; same isa would prove nothing.
     assert isa16 == "vec16"
@@ -387,24 +384,13 @@ def test_wrong_addressing_is_detected(block_size: int) -> None:
     # fresh prefills keep theirs so every query still has a key to attend to.
     short = [s - (s > q) for s, q in zip(seq_lens, query_lens, strict=True)]
 
+    run = functools.partial(
+        run_cpu_attn, batch, inputs, block_size, table, enable_kv_split=True
+    )
     with torch_threads(1):
-        out_table, _ = run_cpu_attn(
-            batch,
-            inputs,
-            block_size,
-            table,
-            enable_kv_split=True,
-            read_table=wrong_table,
-        )
-        out_lens, _ = run_cpu_attn(
-            batch,
-            inputs,
-            block_size,
-            table,
-            enable_kv_split=True,
-            seq_lens_override=short,
-        )
-        right, _ = run_cpu_attn(batch, inputs, block_size, table, enable_kv_split=True)
+        out_table, _ = run(read_table=wrong_table)
+        out_lens, _ = run(seq_lens_override=short)
+        right, _ = run()
     d_right = max_diff(right, reference)
     d_table = max_diff(out_table, reference)
     d_lens = max_diff(out_lens, reference)
