@@ -26,20 +26,24 @@ from vllm.v1.kv_cache_interface import (
 
 import pd_mooncake
 from bench.loopback import tcp_engine
+from pd_mooncake.fixes import BACKPORT_SETS
 
 MLA_LAYER = "model.layers.0.self_attn.attn"
 DRAFT_LAYER = "model.layers.8.self_attn.attn"
 NUM_BLOCKS = 2
-# What upstream derives from registration; the backport must match all of it.
-REGISTRATION_STATE = (
-    "kv_caches_base_addr",
-    "block_len_per_layer",
-    "kv_block_len_per_layer",
-    "registered_layer_names",
-    "registered_layer_indices",
-    "registered_group_indices",
-    "region_shared_groups",
-    "region_row_offsets",
+# What upstream derives from registration (the backport must match all of
+# it): fixes.BACKPORT_SETS but for the caches themselves, their block count and
+# the pointer bookkeeping.
+REGISTRATION_STATE = tuple(
+    sorted(
+        BACKPORT_SETS
+        - {
+            "num_blocks",
+            "device_kv_caches",
+            "seen_base_addresses",
+            "opaque_packed_storages",
+        }
+    )
 )
 BLOCK_SIZE = 16
 
