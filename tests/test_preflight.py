@@ -166,37 +166,13 @@ def test_hub_profile_without_a_config_is_unknown_and_downloads_nothing(
     assert not (tmp_path / "empty").exists()
 
 
-def kimi_like(tmp_path: Path) -> tuple[Path, Path]:
-    """Kimi-K2.5's shapes (a text_config nested in a multimodal wrapper)."""
-    text = dict(
-        model_type="deepseek_v3",
-        torch_dtype="bfloat16",
-        num_hidden_layers=61,
-        num_attention_heads=64,
-        num_key_value_heads=64,
-        hidden_size=7168,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-    )
-    target = {"model_type": "kimi_k25", "text_config": text}
-    draft = dict(
-        model_type="llama",
-        num_hidden_layers=1,
-        hidden_size=7168,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-    )
-    paths = tmp_path / "target.json", tmp_path / "draft.json"
-    for path, data in zip(paths, (target, draft), strict=True):
-        path.write_text(json.dumps(data))
-    return paths
+# Kimi-K2.5's shapes (a text_config nested in a multimodal wrapper) and its
+# Eagle draft's.
+KIMI_LIKE = Path(__file__).parent / "data" / "kimi-k2.5"
 
 
-def test_hub_profile_with_given_configs_is_checked(tmp_path: Path) -> None:
-    model, draft = kimi_like(tmp_path)
+def test_hub_profile_with_given_configs_is_checked() -> None:
+    model, draft = KIMI_LIKE / "config.json", KIMI_LIKE / "draft_config.json"
     checks = preflight.run(["kimi-k2.5"], GPUS, model_config=model, draft_config=draft)
     for c in checks:
         assert c.status == "accepted", c.problems
