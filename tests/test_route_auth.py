@@ -75,15 +75,9 @@ def proxy() -> Iterator[tuple[str, Upstream]]:
     runners: list[web.AppRunner] = []
 
     async def start() -> None:
-        for app, port, cancel in (
-            (upstream.app(), up_port, True),
-            (
-                route.auth_proxy_app(KEY, f"http://127.0.0.1:{up_port}"),
-                proxy_port,
-                True,
-            ),
-        ):
-            runner = web.AppRunner(app, handler_cancellation=cancel)
+        proxied = route.auth_proxy_app(KEY, f"http://127.0.0.1:{up_port}")
+        for app, port in ((upstream.app(), up_port), (proxied, proxy_port)):
+            runner = web.AppRunner(app, handler_cancellation=True)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
             runners.append(runner)
@@ -105,6 +99,12 @@ def proxy() -> Iterator[tuple[str, Upstream]]:
 
 
 BODY = {"model": "pd-model", "prompt": "hi", "max_tokens": 2}
+
+
+def streamed(url: str, path: str) -> requests.Response:
+    """BODY posted to the proxy with the key, the answer streamed."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return requests.post(f"{url}{path}", json=BODY, headers=headers, stream=True)
 
 
 @pytest.mark.parametrize(
@@ -141,12 +141,7 @@ def test_health_stays_open(proxy: tuple[str, Upstream]) -> None:
 
 def test_with_the_key_the_answer_streams_through(proxy: tuple[str, Upstream]) -> None:
     url, upstream = proxy
-    answer = requests.post(
-        f"{url}/v1/completions",
-        json=BODY,
-        headers={"Authorization": f"Bearer {KEY}"},
-        stream=True,
-    )
+    answer = streamed(url, "/v1/completions")
     assert answer.status_code == 200
     lines = [line for line in answer.iter_lines() if line]
     assert lines == [f"data: {i}".encode() for i in range(CHUNKS)]
@@ -159,12 +154,7 @@ def test_a_client_that_leaves_closes_the_forwarded_request(
     proxy: tuple[str, Upstream],
 ) -> None:
     url, upstream = proxy
-    answer = requests.post(
-        f"{url}/v1/endless",
-        json=BODY,
-        headers={"Authorization": f"Bearer {KEY}"},
-        stream=True,
-    )
+    answer = streamed(url, "/v1/endless")
     got: list[Any] = []
     for line in answer.iter_lines():
         if line:
