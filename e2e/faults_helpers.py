@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import requests
@@ -26,8 +26,6 @@ import yaml
 from conftest import E2E_RUN_DIR, Stack
 from pdstack import config, wait
 from pdstack import metrics as m
-
-T = TypeVar("T")
 
 FAULTS_CONFIG = config.CONFIGS / "faults.yaml"
 RUN_DIR = E2E_RUN_DIR.parent / "faults"
@@ -246,28 +244,17 @@ def leaks(now: Mapping[str, float], idle: Mapping[str, float]) -> dict[str, floa
     return {k: v for k, v in now.items() if abs(v - idle.get(k, 0.0)) > 1e-9}
 
 
-def poll_last(
-    probe: Callable[[], T],
-    done: Callable[[T], bool],
-    deadline_s: float,
-    what: str,
-    interval_s: float = 0.5,
-) -> tuple[float, T]:
-    """``wait.poll_last`` at the fault suite's half-second interval: a case
-    records what it saw before it asserts."""
-    return wait.poll_last(probe, done, deadline_s, what, interval_s)
-
-
 def wait_idle(
     stack: FaultStack, deadline_s: float, roles: tuple[str, ...] = config.ROLES
 ) -> tuple[float, dict[str, float]]:
     """Poll until nothing of ``roles`` leaks or the deadline; returns
     (seconds, leaks)."""
-    return poll_last(
+    return wait.poll_last(
         lambda: leaks(state(stack, roles), stack.idle),
         lambda found: not found,
         deadline_s,
         f"{' and '.join(roles)} idle",
+        interval_s=0.5,
     )
 
 

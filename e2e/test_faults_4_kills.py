@@ -26,7 +26,6 @@ from faults_helpers import (
     counters,
     engine_ids,
     greedy,
-    poll_last,
     post,
     progress,
     record,
@@ -52,7 +51,7 @@ def _first_success(
         seen.append(got.status)
         return got
 
-    took, got = poll_last(
+    took, got = wait.poll_last(
         attempt, lambda o: o.status == 200, deadline_s, "a 200", interval_s=1
     )
     return got, took, seen

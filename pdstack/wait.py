@@ -8,7 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import requests
 
@@ -59,14 +59,11 @@ POLLING = re.compile(r'"GET /(health|metrics)[ ?]')
 
 
 def poll_last(
-    probe: Callable[[], T],
-    done: Callable[[T], bool],
-    deadline_s: float,
-    what: str,
-    interval_s: float = 0.25,
+    probe: Callable[[], T], done: Callable[[T], bool], *args: Any, **options: Any
 ) -> tuple[float, T]:
-    """:func:`poll` that hands back (seconds, last value) at the deadline
-    instead of raising: the caller records or asserts on what it saw."""
+    """:func:`poll` (the same arguments) that hands back (seconds, last value)
+    at the deadline instead of raising: the caller records or asserts on what
+    it saw."""
     start = time.monotonic()
     seen: list[T] = []
 
@@ -75,7 +72,7 @@ def poll_last(
         return seen[-1]
 
     with contextlib.suppress(WaitError):
-        poll(keep, done, deadline_s, what, interval_s=interval_s)
+        poll(keep, done, *args, **options)
     return time.monotonic() - start, seen[-1]
 
 
