@@ -99,30 +99,47 @@ def fault(fault_file: Path) -> Iterator[Callable[[str], None]]:
         fault_file.unlink(missing_ok=True)
 
 
-def corrupted_requests(
-    stack: Stack, salt: int, verdicts: int
-) -> tuple[list[list[oracle.Step]], list[list[int] | str], m.Snapshot, m.Snapshot]:
-    """Four requests through the router with the fault on: the references,
-    each answer's tokens (or its error), and prefill's and decode's deltas
-    (decode's once it counted ``verdicts`` checksum verdicts, or 20 s)."""
-    prompts = [stack.prompt(30 + 11 * i, salt=salt + i) for i in range(4)]
-    expected = [stack.reference_steps(p, MAX_TOKENS) for p in prompts]
-    prefill0, decode0 = m.scrape(stack.prefill), m.scrape(stack.decode)
-    got: list[list[int] | str] = []
-    for p in prompts:
-        try:
-            got.append(client.complete(stack.router, p, MAX_TOKENS).token_ids)
-        except client.CompletionError as exc:
-            got.append(str(exc))
-    prefill = m.settle(stack.prefill, prefill0, lambda d: d.total(m.TRANSFERS) >= 4)
-    decode = m.settle(
-        stack.decode,
-        decode0,
-        lambda d: d.total(CHECKSUM_MATCH) + d.total(CHECKSUM_MISMATCH) >= verdicts,
-        deadline_s=20.0 if verdicts else 1.0,
-    )
-    print(f"prefill transfers {prefill.total(m.TRANSFERS)}")
-    return expected, got, prefill, decode
+Corrupted = tuple[
+    list[list[oracle.Step]], list[list[int] | str], m.Snapshot, m.Snapshot, int
+]
+
+
+@pytest.fixture
+def corrupted(
+    stack: Stack,
+    checksum_on: bool,
+    fault: Callable[[str], None],
+    layout: kv_layout.KVLayout,
+) -> Callable[[str, int], Corrupted]:
+    """Four requests through the router with fault ``name`` on: the
+    references, each answer's tokens (or its error), prefill's and decode's
+    deltas (decode's once it counted each region's checksum verdicts, or 1 s
+    with the checksum off) and the number of regions."""
+    regions = sum(r.layers for r in layout.regions)
+    verdicts = 4 * regions if checksum_on else 0
+
+    def run(name: str, salt: int) -> Corrupted:
+        fault(name)
+        prompts = [stack.prompt(30 + 11 * i, salt=salt + i) for i in range(4)]
+        expected = [stack.reference_steps(p, MAX_TOKENS) for p in prompts]
+        prefill0, decode0 = m.scrape(stack.prefill), m.scrape(stack.decode)
+        got: list[list[int] | str] = []
+        for p in prompts:
+            try:
+                got.append(client.complete(stack.router, p, MAX_TOKENS).token_ids)
+            except client.CompletionError as exc:
+                got.append(str(exc))
+        prefill = m.settle(stack.prefill, prefill0, lambda d: d.total(m.TRANSFERS) >= 4)
+        decode = m.settle(
+            stack.decode,
+            decode0,
+            lambda d: d.total(CHECKSUM_MATCH) + d.total(CHECKSUM_MISMATCH) >= verdicts,
+            deadline_s=20.0 if verdicts else 1.0,
+        )
+        print(f"prefill transfers {prefill.total(m.TRANSFERS)}")
+        return expected, got, prefill, decode, regions
+
+    return run
 
 
 def assert_wrong_with_success_metrics(
@@ -146,18 +163,14 @@ def assert_wrong_with_success_metrics(
 def test_checksum_keeps_corrupted_kv_out_of_every_answer(
     stack: Stack,
     checksum_on: bool,
-    fault: Callable[[str], None],
+    corrupted: Callable[[str, int], Corrupted],
     layout: kv_layout.KVLayout,
 ) -> None:
     """KV corrupted as decode receives it: with the checksum on, each request
     fails or is recomputed (kv_load_failure_policy), never answered wrong, and
     decode counts a mismatch in every region of each; with it off, the
     answers are wrong and every metric says success."""
-    fault(CORRUPT_RECEIVED)
-    regions = sum(r.layers for r in layout.regions)
-    expected, got, prefill, decode = corrupted_requests(
-        stack, salt=5100, verdicts=4 * regions if checksum_on else 0
-    )
+    expected, got, prefill, decode, regions = corrupted(CORRUPT_RECEIVED, 5100)
     mismatch = decode.by_label(CHECKSUM_MISMATCH, "region")
     outcomes = [
         g if isinstance(g, str) else oracle.judge(e, g, stack.epsilon).describe()
@@ -187,19 +200,12 @@ def test_checksum_keeps_corrupted_kv_out_of_every_answer(
 
 
 def test_corruption_after_the_checksum_fails_the_correctness_check(
-    stack: Stack,
-    checksum_on: bool,
-    fault: Callable[[str], None],
-    layout: kv_layout.KVLayout,
+    stack: Stack, checksum_on: bool, corrupted: Callable[[str, int], Corrupted]
 ) -> None:
     """KV overwritten after the checksum verified it (or without one): the
     answers leave the reference while every metric, the checksum's included,
     says success. The correctness check is what catches it."""
-    fault(CORRUPT_CHECKED)
-    regions = sum(r.layers for r in layout.regions)
-    expected, got, prefill, decode = corrupted_requests(
-        stack, salt=5200, verdicts=4 * regions if checksum_on else 0
-    )
+    expected, got, prefill, decode, regions = corrupted(CORRUPT_CHECKED, 5200)
     assert_wrong_with_success_metrics(stack, expected, got, prefill)
     assert decode.total(CHECKSUM_MISMATCH) == 0
     if checksum_on:
