@@ -1,4 +1,4 @@
-"""Command line of the bench: ``python -m bench {run,transfer,report}``."""
+"""Command line of the bench: ``python -m bench {run,transfer,checksum,report}``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,20 @@ def main(argv: list[str] | None = None) -> int:
     transfer.add_argument("--json", type=Path, help="write the samples here")
     transfer.add_argument(
         "--defaults-only", action="store_true", help="skip the tuned series"
+    )
+    check = sub.add_parser(
+        "checksum",
+        help="the KV checksum's cost only: P/D with it on and off, the digest alone",
+    )
+    settings.add_arguments(check)
+    check.add_argument(
+        "--digest-only", action="store_true", help="only the digest, in-process"
+    )
+    check.add_argument("--json", type=Path, help="--digest-only: write it here")
+    check.add_argument(
+        "--layout",
+        type=Path,
+        help="--digest-only: a run's kv_layout.json (default: the twin's)",
     )
     rebuild = sub.add_parser("report", help="rebuild a run's report from its JSON")
     rebuild.add_argument("run_dir", type=Path)
@@ -46,10 +60,14 @@ def main(argv: list[str] | None = None) -> int:
             if opts.json:
                 opts.json.write_text(json.dumps(transfer_engine.to_json(samples)))
             return 0
+        if opts.command == "checksum" and opts.digest_only:
+            from bench import kv_checksum
+
+            return kv_checksum.digest_command(chosen.profile, opts.layout, opts.json)
         from bench import run
 
         chosen.run_dir.mkdir(parents=True, exist_ok=True)
-        run.run(chosen)
+        (run.checksum_only if opts.command == "checksum" else run.run)(chosen)
         return 0
     except (settings.SettingsError, levels.ReportError) as exc:
         print(f"bench: {exc}", file=sys.stderr)

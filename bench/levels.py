@@ -6,7 +6,7 @@ prints. The report (bench.report) and the targets (bench.targets) read these.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,3 +127,16 @@ def fmt_ratio(value: float | None) -> str:
 
 def fmt_pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.1f}%"
+
+
+def level_name(target: str, input_len: int, concurrency: int) -> str:
+    return f"{target}-in{input_len}-c{concurrency}"
+
+
+def table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """Every table of the report: a header, its rule, one line per row."""
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(cells) + " |"
+
+    return [line(head), "|" + " --- |" * len(head), *map(line, rows)]

@@ -16,12 +16,12 @@ bench.targets; this module reads the run directory and renders.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import kv_transfer
+from bench import kv_checksum, kv_transfer
 from bench import transfer_engine as te
 from bench.levels import (
     GIB,
@@ -32,7 +32,9 @@ from bench.levels import (
     fmt,
     fmt_pct,
     fmt_ratio,
+    level_name,
     ratio,
+    table,
 )
 from bench.settings import human_bytes
 from bench.targets import Target, judge
@@ -50,10 +52,6 @@ def load_levels(raw: Path) -> tuple[list[LevelResult], dict[str, str]]:
             continue
         levels.append(LevelResult.from_json(json.loads(path.read_text())))
     return levels, status
-
-
-def level_name(target: str, input_len: int, concurrency: int) -> str:
-    return f"{target}-in{input_len}-c{concurrency}"
 
 
 def pair_levels(levels: Sequence[LevelResult], raw: Path | None = None) -> list[Pair]:
@@ -76,15 +74,6 @@ def pair_levels(levels: Sequence[LevelResult], raw: Path | None = None) -> list[
             )
         )
     return pairs
-
-
-def table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
-    """Every table of the report: a header, its rule, one line per row."""
-
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(cells) + " |"
-
-    return [line(head), "|" + " --- |" * len(head), *map(line, rows)]
 
 
 def comparison_table(pairs: Sequence[Pair]) -> list[str]:
@@ -180,6 +169,7 @@ class Run:
     startup: Mapping[str, Any]
     memory: Mapping[str, Any] | None
     model: kv_layout.KVLayout | None
+    checksum: kv_checksum.Result | None
     checks: list[Target]
 
     @classmethod
@@ -191,6 +181,7 @@ class Run:
         comparisons = te.compare(te.from_json(engine_data)) if engine_data else []
         overhead = _read(run_dir / "router_overhead.json")
         memory = _read(run_dir / "memory.json")
+        checksum = kv_checksum.read(run_dir)
         return cls(
             meta=_read(run_dir / "meta.json") or {},
             pairs=pairs,
@@ -200,7 +191,8 @@ class Run:
             startup=_read(run_dir / "startup.json") or {},
             memory=memory,
             model=kv_transfer.layout_from_json(_read(run_dir / "kv_layout.json")),
-            checks=judge(pairs, overhead, comparisons, memory),
+            checksum=checksum,
+            checks=judge(pairs, overhead, comparisons, memory, checksum),
         )
 
 
@@ -228,6 +220,7 @@ def summary(run: Run) -> dict[str, Any]:
             k: v for k, v in (run.overhead or {}).items() if k != "samples"
         },
         "transfer_engine": [asdict(c) for c in run.comparisons],
+        "kv_checksum": kv_checksum.summary(run.checksum),
     }
 
 
@@ -302,6 +295,8 @@ def markdown(run: Run, plotted: bool) -> str:
         "",
         *kv_table(pairs, run.model),
     ]
+    if run.checksum:
+        out += ["", *kv_checksum.markdown(run.checksum)]
     if comparisons:
         out += [
             "",

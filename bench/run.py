@@ -8,9 +8,14 @@ On the CPU twin (no URLs given) the bench starts and stops its own servers:
 4. the colocated server beside it (idle while P/D runs, and the reverse);
 5. the router's protocol read through taps, then router vs direct legs;
 6. the `vllm bench serve` sweep, P/D and colocated alternating per level;
-7. everything stopped; report.md, report.png, summary.json written.
+7. the KV checksum's cost (bench.kv_checksum): the colocated server stopped,
+   requests one at a time through P/D with the checksum on, then again after
+   a restart with it off;
+8. everything stopped; the digest alone, in-process; report.md, report.png,
+   summary.json written.
 
-Against given URLs (a compose stack on GPUs) steps 2-4 and the memory are skipped.
+Against given URLs (a compose stack on GPUs) steps 2-4, 7 and the memory are
+skipped. ``python -m bench checksum`` runs steps 7 and 8 alone.
 """
 
 from __future__ import annotations
@@ -32,16 +37,27 @@ from unittest import mock
 
 import psutil
 
-from bench import kv_transfer, memory, report, router_capture, router_overhead, stack
+from bench import (
+    kv_checksum,
+    kv_transfer,
+    memory,
+    report,
+    router_capture,
+    router_overhead,
+    stack,
+)
 from bench.settings import Settings
 from bench.vllm_bench import Level, Plan
-from pdstack import config, supervisor
+from pdstack import config, supervisor, wait
+from pdstack import metrics as m
 from pdstack.supervisor import Urls
 
 SWEEP_MARGIN_S = 300.0
 # Router vs direct on stub backends: ~2 ms a pair.
 STUB_PAIRS = 500
 TRANSFER_DEADLINE_S = 900.0
+# The digest alone: importing vLLM (~20 s of CPU), 0.5 GiB of tensors, seconds.
+DIGEST_DEADLINE_S = 300.0
 
 
 class Clock:
@@ -75,21 +91,68 @@ def _machine() -> str:
     )
 
 
+def _bench_subprocess(
+    args: list[str], log: Path, deadline_s: float, progress: Clock
+) -> None:
+    """``python -m bench ARGS``, its stderr (vLLM's, Mooncake's logging) to
+    ``log``; a failure is reported, not raised (the report says what is missing)."""
+    with log.open("wb") as err:
+        try:
+            subprocess.run([sys.executable, "-m", "bench", *args], stderr=err,
+                           timeout=deadline_s, check=True)  # fmt: skip
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            progress(f"python -m bench {args[0]} failed ({exc}); see {log}")
+
+
 def transfer_engine_step(s: Settings, out: Path, progress: Clock) -> None:
     """In a subprocess: Mooncake's own logging goes to a file, not the screen."""
     progress("transfer engine micro-benchmark (Mooncake TCP vs socket vs memcpy)")
-    log = out / "transfer_engine.log"
     sizes = ",".join(str(size) for size in s.transfer_sizes)
-    cmd = [
-        sys.executable, "-m", "bench", "transfer", "--json",
-        str(out / "transfer_engine.json"), "--transfer-sizes", sizes,
-        "--transfer-repeats", str(s.transfer_repeats),
+    args = [
+        "transfer", "--json", str(out / "transfer_engine.json"),
+        "--transfer-sizes", sizes, "--transfer-repeats", str(s.transfer_repeats),
     ]  # fmt: skip
-    with log.open("wb") as err:
-        try:
-            subprocess.run(cmd, stderr=err, timeout=TRANSFER_DEADLINE_S, check=True)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-            progress(f"transfer engine benchmark failed ({exc}); see {log}")
+    _bench_subprocess(args, out / "transfer_engine.log", TRANSFER_DEADLINE_S, progress)
+
+
+def digest_step(s: Settings, out: Path, progress: Clock) -> None:
+    """The checksum's digest alone, on the quiet machine (servers stopped)."""
+    progress("KV checksum digest alone: one thread and default threads")
+    where = out / kv_checksum.DIR
+    where.mkdir(parents=True, exist_ok=True)
+    args = ["checksum", "--digest-only", "--profile", s.profile,
+            "--json", str(where / kv_checksum.DIGEST_FILE)]  # fmt: skip
+    if (out / "kv_layout.json").exists():
+        args += ["--layout", str(out / "kv_layout.json")]
+    _bench_subprocess(args, where / "digest.log", DIGEST_DEADLINE_S, progress)
+
+
+def checksum_step(
+    s: Settings, own: supervisor.Processes, urls: Urls, out: Path, progress: Clock
+) -> None:
+    """The same requests through P/D with the checksum as the running stack
+    has it (on), then with the stack restarted with it off; decode's checksum
+    series are kept per pass. The P/D stack then runs with it off."""
+    tokenizer = _tokenizer(s)
+    try:
+        for state in kv_checksum.STATES:
+            where = kv_checksum.pass_dir(out, state)
+            where.mkdir(parents=True, exist_ok=True)
+            restart = {}
+            if state == "off":
+                progress(f"KV checksum off: P/D restarted with {kv_checksum.ENV}=0")
+                own.stop(["router", "decode", "prefill"])
+                with mock.patch.dict(os.environ, {kv_checksum.ENV: "0"}):
+                    urls, timings, _ = stack.start_pd(own, s.profile, progress)
+                restart = {"restart_s": timings["total"]}
+            progress(f"KV checksum {state}: one request at a time")
+            before = m.scrape(urls.decode)
+            plan = kv_checksum.plan(s, urls.router, urls.prefill, where, tokenizer)
+            sweep_step(plan, where, progress)
+            data = kv_checksum.state_json(before, m.scrape(urls.decode)) | restart
+            (where / kv_checksum.STATE_FILE).write_text(json.dumps(data, indent=1))
+    except (OSError, wait.WaitError) as exc:
+        progress(f"KV checksum on/off stopped: {exc}")
 
 
 def sweep_plan(s: Settings, urls: Urls, prefill_metrics: str | None, raw: Path,
@@ -212,13 +275,13 @@ def _tokenizer(s: Settings) -> str:
     return str(flags.get("tokenizer") or flags["model"])
 
 
-def run(s: Settings) -> Path:
-    progress = Clock()
+def _start(s: Settings, progress: Clock) -> tuple[Path, dict[str, Any]]:
+    """A new run directory (with raw/) and the run's meta.json contents."""
     started = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = s.out_root / started
-    raw = out / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    meta: dict[str, Any] = {
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    progress(f"results in {out}")
+    return out, {
         "started": started,
         "profile": s.profile,
         "output_len": s.output_len,
@@ -228,7 +291,50 @@ def run(s: Settings) -> Path:
         "skipped_levels": [f"{n} x {c}" for n, c in s.skipped_levels()],
         "notes": [],
     }
-    progress(f"results in {out}")
+
+
+def _finish(out: Path, progress: Clock) -> Path:
+    summary = report.build(out)
+    progress(f"report: {out / 'report.md'}")
+    for t in summary["targets"]:
+        met = "n/a" if t["met"] is None else ("met" if t["met"] else "MISSED")
+        progress(f"  {t['name']}: {t['measured']} (target {t['target']}): {met}")
+    return out
+
+
+def checksum_only(s: Settings) -> Path:
+    """``python -m bench checksum``: the checksum's on/off passes on the
+    bench's own P/D stack (started with it on), then the digest alone."""
+    progress = Clock()
+    out, meta = _start(s, progress)
+    own = stack.processes(s.run_dir, progress) if s.urls is None else None
+    try:
+        if own is None:
+            meta["notes"].append(
+                "KV checksum on/off needs the bench's own stack (it restarts it "
+                f"with {kv_checksum.ENV}=0); against URLs only the digest ran"
+            )
+        else:
+            own.stop()  # what an earlier, killed bench left running
+            with mock.patch.dict(os.environ, {kv_checksum.ENV: "1"}):
+                urls, _, notes = stack.start_pd(own, s.profile, progress)
+            meta["notes"] += notes
+            meta["stack"] = "CPU twin started by the bench (prefill, decode, router)"
+            layout = kv_transfer.served_layout(urls.prefill, s.profile)
+            (out / "kv_layout.json").write_text(json.dumps(layout, indent=1))
+            checksum_step(s, own, urls, out, progress)
+    finally:
+        if own is not None:
+            own.stop()
+        (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    digest_step(s, out, progress)
+    return _finish(out, progress)
+
+
+def run(s: Settings) -> Path:
+    progress = Clock()
+    out, meta = _start(s, progress)
+    raw = out / "raw"
     transfer_engine_step(s, out, progress)
     startup: dict[str, float] = {}
     peak: memory.Peak | None = None
@@ -273,6 +379,9 @@ def run(s: Settings) -> Path:
             finally:
                 sampler.__exit__(None, None, None)
                 peak = sampler.peak
+            if s.kv_checksum:
+                own.stop(["colocated"])
+                checksum_step(s, own, urls, out, progress)
         else:
             assert s.urls is not None
             meta["stack"] = f"given by URLs: {s.urls}"
@@ -285,12 +394,9 @@ def run(s: Settings) -> Path:
         (out / "startup.json").write_text(json.dumps(startup, indent=1))
         if peak is not None:
             (out / "memory.json").write_text(json.dumps(asdict(peak), indent=1))
-    summary = report.build(out)
-    progress(f"report: {out / 'report.md'}")
-    for t in summary["targets"]:
-        met = "n/a" if t["met"] is None else ("met" if t["met"] else "MISSED")
-        progress(f"  {t['name']}: {t['measured']} (target {t['target']}): {met}")
-    return out
+    if s.kv_checksum:
+        digest_step(s, out, progress)
+    return _finish(out, progress)
 
 
 def _measure(s: Settings, urls: Urls, out: Path, raw: Path, progress: Clock) -> None:

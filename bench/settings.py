@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pdstack import config
 from pdstack.supervisor import Urls
@@ -82,6 +83,9 @@ class Settings:
     transfer_sizes: tuple[int, ...]
     transfer_repeats: int
     cold_start: bool
+    # The checksum's cost: a second P/D stack with it off (bench.kv_checksum).
+    kv_checksum: bool
+    checksum_requests: int
     tokenizer: str | None
     model: str
     seed: int
@@ -121,45 +125,48 @@ def add_arguments(
 ) -> None:
     env = os.environ if env is None else env
     opt = parser.add_argument
+
+    def number(flag: str, var: str, default: str, kind: type = int, **more: Any):
+        """An int (or ``kind``) option whose default is BENCH_* or ``default``."""
+        opt(flag, type=kind, default=kind(_env(env, var, default)), **more)
+
     opt("--profile", default=_env(env, "PD_PROFILE", "tiny"))
     opt("--input-lens", default=_env(env, "BENCH_INPUT_LENS", "128,1024,4096"))
-    opt("--output-len", type=int, default=int(_env(env, "BENCH_OUTPUT_LEN", "64")))
+    number("--output-len", "BENCH_OUTPUT_LEN", "64")
     opt("--concurrency", default=_env(env, "BENCH_CONCURRENCY", "1,4,16"))
-    opt(
+    number(
         "--min-prompts",
-        type=int,
-        default=int(_env(env, "BENCH_MIN_PROMPTS", "2")),
+        "BENCH_MIN_PROMPTS",
+        "2",
         help="prompts per level: max(this, concurrency)",
     )
-    opt(
+    number(
         "--max-batch-tokens",
-        type=int,
-        default=int(_env(env, "BENCH_MAX_BATCH_TOKENS", "16384")),
+        "BENCH_MAX_BATCH_TOKENS",
+        "16384",
         help="skip levels whose input_len x concurrency exceeds this",
     )
-    opt(
+    number(
         "--level-timeout",
-        type=float,
-        default=float(_env(env, "BENCH_LEVEL_TIMEOUT_S", "600")),
+        "BENCH_LEVEL_TIMEOUT_S",
+        "600",
+        float,
         help="seconds one `vllm bench serve` level may take",
     )
-    opt(
+    number(
         "--sweep-budget",
-        type=float,
-        default=float(_env(env, "BENCH_SWEEP_BUDGET_S", "900")),
+        "BENCH_SWEEP_BUDGET_S",
+        "900",
+        float,
         help="seconds for the whole vllm bench serve sweep; later levels skipped",
     )
     for name in ("router", "prefill", "decode", "colocated"):
         opt(f"--{name}-url", default=_env(env, f"BENCH_{name.upper()}_URL", ""))
-    opt(
-        "--colocated-port",
-        type=int,
-        default=int(_env(env, "BENCH_COLOCATED_PORT", "8300")),
-    )
-    opt(
+    number("--colocated-port", "BENCH_COLOCATED_PORT", "8300")
+    number(
         "--colocated-threads",
-        type=int,
-        default=int(_env(env, "BENCH_COLOCATED_THREADS", "2")),
+        "BENCH_COLOCATED_THREADS",
+        "2",
         help="OMP threads of the colocated server (P/D: two 1-thread servers)",
     )
     opt("--out", default=_env(env, "BENCH_OUT", str(ROOT / "run" / "bench")))
@@ -168,26 +175,32 @@ def add_arguments(
         default=_env(env, "PD_RUN_DIR", str(ROOT / "run" / "bench-stack")),
         help="logs and pids of the servers the bench starts",
     )
-    opt(
-        "--overhead-requests",
-        type=int,
-        default=int(_env(env, "BENCH_OVERHEAD_REQUESTS", "60")),
-    )
+    number("--overhead-requests", "BENCH_OVERHEAD_REQUESTS", "60")
     opt(
         "--transfer-sizes",
         default=_env(env, "BENCH_TRANSFER_SIZES", DEFAULT_TRANSFER_SIZES),
     )
-    opt(
-        "--transfer-repeats",
-        type=int,
-        default=int(_env(env, "BENCH_TRANSFER_REPEATS", "5")),
-    )
-    opt(
+    number("--transfer-repeats", "BENCH_TRANSFER_REPEATS", "5")
+    number(
         "--cold-start",
-        type=int,
+        "BENCH_COLD_START",
+        "1",
         choices=(0, 1),
-        default=int(_env(env, "BENCH_COLD_START", "1")),
         help="also time a start with an empty model cache",
+    )
+    number(
+        "--kv-checksum",
+        "BENCH_KV_CHECKSUM",
+        "1",
+        choices=(0, 1),
+        help="also measure the KV checksum's cost: the P/D stack restarted "
+        "with PD_MOONCAKE_KV_CHECKSUM=0, and the digest's own speed",
+    )
+    number(
+        "--checksum-requests",
+        "BENCH_CHECKSUM_REQUESTS",
+        "5",
+        help="requests per prompt length, checksum on and off (one at a time)",
     )
     opt(
         "--tokenizer",
@@ -195,7 +208,7 @@ def add_arguments(
         help="default: the profile's model (the generated one for tiny)",
     )
     opt("--model", default=_env(env, "BENCH_MODEL", "pd-model"), help="served name")
-    opt("--seed", type=int, default=int(_env(env, "BENCH_SEED", "0")))
+    number("--seed", "BENCH_SEED", "0")
 
 
 def from_args(args: argparse.Namespace) -> Settings:
@@ -212,7 +225,9 @@ def from_args(args: argparse.Namespace) -> Settings:
                 + ", ".join(f"BENCH_{m.upper()}_URL" for m in missing)
             )
         urls = Urls(**given, bootstrap_port=config.ports().bootstrap)
-    for name in ("output_len", "min_prompts", "max_batch_tokens", "overhead_requests"):
+    positive = ("output_len", "min_prompts", "max_batch_tokens", "overhead_requests",
+                "checksum_requests")  # fmt: skip
+    for name in positive:
         if getattr(args, name) <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")
     return Settings(
@@ -233,6 +248,8 @@ def from_args(args: argparse.Namespace) -> Settings:
         transfer_sizes=parse_sizes(args.transfer_sizes),
         transfer_repeats=max(1, args.transfer_repeats),
         cold_start=bool(args.cold_start),
+        kv_checksum=bool(args.kv_checksum),
+        checksum_requests=args.checksum_requests,
         tokenizer=args.tokenizer or None,
         model=args.model,
         seed=args.seed,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import kv_checksum
 from bench import transfer_engine as te
 from bench.levels import GIB, MIB, Pair, fmt, fmt_pct, ratio
 from bench.settings import human_bytes
@@ -24,6 +25,8 @@ ROUTER_P50_TARGET_MS = 1.0
 ENGINE_VS_SOCKET_TARGET = 0.80
 ENGINE_LARGE_BYTES = 64 * MIB
 MEMORY_TARGET_BYTES = 6 * GIB
+CHECKSUM_SHARE_TARGET = 0.02
+CHECKSUM_INPUT_LEN = 4096
 DOC = Path(__file__).resolve().parent.parent / "docs" / "bench.md"
 ADVICE_HEADING = "## Where a target is missed"
 
@@ -201,15 +204,55 @@ def _memory_target(memory: Mapping[str, Any] | None) -> Target:
     )
 
 
+def _checksum_target(result: kv_checksum.Result | None) -> Target:
+    """TTFT p50 with the checksum on minus off, as a share of off's, at
+    CHECKSUM_INPUT_LEN; the digest's own time (one thread, prefill and decode
+    each once) says what of it the digest explains."""
+    name = f"KV checksum's cost, share of TTFT, {CHECKSUM_INPUT_LEN}-token prompts"
+    target = f"<= {CHECKSUM_SHARE_TARGET:.0%}"
+    cost = result.ttft_cost(CHECKSUM_INPUT_LEN) if result else None
+    if result is None or cost is None:
+        return Target(name, target, "not measured", None)
+    on = result.side("on", CHECKSUM_INPUT_LEN)
+    off = result.side("off", CHECKSUM_INPUT_LEN)
+    assert on is not None and off is not None
+    digest_s = kv_checksum.digest_seconds(result)
+    note = (
+        f"transfer p50 on / off {fmt(on.p50_transfer(), 1)} / "
+        f"{fmt(off.p50_transfer(), 1)} ms; "
+        f"{len(on.ttft_ms)} / {len(off.ttft_ms)} requests"
+    )
+    if digest_s is not None:
+        share = 2 * digest_s * 1e3 / (off.p50_ttft() or float("nan"))
+        note += (
+            f"; the digest alone (one thread, prefill and decode once each): "
+            f"{2 * digest_s * 1e3:.0f} ms = {fmt_pct(share)}"
+        )
+    wrong = result.as_intended()
+    if wrong:
+        note = f"not judged: {wrong}; {note}"
+    return Target(
+        name,
+        target,
+        f"{fmt_pct(cost[1])} ({cost[0]:+,.0f} ms: TTFT p50 "
+        f"{fmt(on.p50_ttft(), 0)} on vs {fmt(off.p50_ttft(), 0)} ms off)",
+        None if wrong else cost[1] <= CHECKSUM_SHARE_TARGET,
+        note,
+        advice("KV checksum cost"),
+    )
+
+
 def judge(
     pairs: Sequence[Pair],
     overhead: Mapping[str, Any] | None,
     comparisons: Sequence[te.Comparison],
     memory: Mapping[str, Any] | None,
+    checksum: kv_checksum.Result | None = None,
 ) -> list[Target]:
     return [
         _kv_share_target(pairs),
         _router_target(overhead),
         _engine_target(comparisons),
         _memory_target(memory),
+        _checksum_target(checksum),
     ]

@@ -317,7 +317,7 @@ def test_report_from_a_recorded_run(run_dir: Path) -> None:
     assert summary["layout_checks_ok"] is True
     assert "| 128 | 1 |" in text and "OK: " in text
     names = [t["name"] for t in summary["targets"]]
-    assert len(names) == 4 and any("Router" in n for n in names)
+    assert len(names) == 5 and any("Router" in n for n in names)
     png = run_dir / "report.png"
     try:
         import matplotlib  # noqa: F401  (requirements/bench.txt)
@@ -441,3 +441,113 @@ def test_vllm_bench_serve_accepts_the_bench_arguments(tmp_path: Path) -> None:
     assert args.save_result and args.save_detailed
     with pytest.raises(SystemExit):  # negative control: the parser is strict
         parser.parse_args([*bench_serve_args(plan, level), "--no-such-flag"])
+
+
+# --- the KV checksum's cost ---------------------------------------------------------
+def write_checksum_pass(
+    run_dir: Path, state: str, ttft_ms: dict[int, list[float]], enabled: float
+) -> None:
+    """One pass as the bench leaves it: a single-request level per request
+    (vllm bench serve's keys the report reads), its transfer counters, decode's
+    checksum series."""
+    from bench import kv_checksum
+
+    where = kv_checksum.pass_dir(run_dir, state)
+    where.mkdir(parents=True)
+    for length, values in ttft_ms.items():
+        for i, ttft in enumerate(values):
+            name = where / f"pd-in{length}-c1-r{i}"
+            result = {"target": "pd", "input_len": length, "concurrency": 1,
+                      "completed": 1, "p50_ttft_ms": ttft, "mean_ttft_ms": ttft,
+                      "input_lens": [length], "errors": [""]}  # fmt: skip
+            name.with_suffix(".json").write_text(json.dumps(result))
+            name.with_suffix(".kv.json").write_text(
+                json.dumps(counters([length], seconds=ttft / 20e3))
+            )
+    matched = 9 * sum(map(len, ttft_ms.values())) if enabled else 0
+    state_data = {"enabled": enabled, "matched_regions": matched,
+                  "mismatched_regions": 0}  # fmt: skip
+    (where / kv_checksum.STATE_FILE).write_text(json.dumps(state_data))
+
+
+DIGEST = {
+    "tokens": 4096, "bytes": 79691776, "regions": 9, "cache_blocks": 1724,
+    "rounds": 7, "default_threads": 2, "same_digest_on_every_thread_count": True,
+    "results": [
+        {"threads": t, "method": m, "seconds": 0.04 / t, "GBps": 2.0 * t}
+        for t in (1, 2) for m in ("digest", "gather", "read", "copy")
+    ],
+}  # fmt: skip
+
+
+def test_report_renders_the_checksum_on_off_table(run_dir: Path) -> None:
+    from bench import kv_checksum
+
+    write_checksum_pass(run_dir, "on", {128: [700, 720, 710], 4096: [10100] * 3}, 1)
+    write_checksum_pass(run_dir, "off", {128: [690, 700, 705], 4096: [10000] * 3}, 0)
+    (run_dir / kv_checksum.DIR / kv_checksum.DIGEST_FILE).write_text(json.dumps(DIGEST))
+    summary = report.build(run_dir)
+    text = (run_dir / "report.md").read_text()
+    assert "## KV checksum: on / off" in text
+    assert "| 128 | 3 / 3 | 710 / 700 | +10 (1.4%) | 35.5 / 35.0 |" in text
+    assert "| 4096 | 3 / 3 | 10,100 / 10,000 | +100 (1.0%) |" in text
+    assert "| 1 | 2.00 | 2.00 | 2.00 | 2.00 | 100.0% | 40.0 |" in text
+    assert "pass 'off': checksum gauge 0, 0 regions verified" in text
+    target = next(t for t in summary["targets"] if "checksum" in t["name"])
+    assert target["met"] is True and target["measured"].startswith("1.0% (+100 ms")
+    assert "80 ms = 0.8%" in target["note"]  # the digest alone, twice
+    levels_4096 = summary["kv_checksum"]["levels"][1]
+    assert levels_4096["p50_ttft_on"] == 10100 and levels_4096["p50_ttft_off"] == 10000
+
+
+def test_checksum_target_is_judged_by_its_number_and_the_passes_state(
+    run_dir: Path,
+) -> None:
+    from bench import kv_checksum
+
+    write_checksum_pass(run_dir, "on", {4096: [10300]}, 1)
+    write_checksum_pass(run_dir, "off", {4096: [10000]}, 0)
+
+    def judged() -> Any:
+        checks = judge([], None, [], None, kv_checksum.read(run_dir))
+        return next(t for t in checks if "checksum" in t.name)
+
+    assert judged().met is False and judged().advice
+    # Negative control: an "off" pass whose decode still verified is no baseline.
+    state = kv_checksum.pass_dir(run_dir, "off") / kv_checksum.STATE_FILE
+    state.write_text(json.dumps({"enabled": 1, "matched_regions": 9}))
+    assert judged().met is None and "not judged" in judged().note
+    assert judge([], None, [], None)[4].measured == "not measured"
+
+
+def test_checksum_plan_sends_the_same_distinct_prompts_in_both_states(
+    tmp_path: Path,
+) -> None:
+    from bench import kv_checksum
+
+    chosen = parsed(BENCH_CHECKSUM_REQUESTS="3")
+    plans = [
+        kv_checksum.plan(chosen, "http://r", "http://p", tmp_path / s, "/tok")
+        for s in kv_checksum.STATES
+    ]
+    on, off = ([(lv.input_len, lv.seed) for lv in p.levels] for p in plans)
+    assert on == off and len(on) == 1 + 3 * 3
+    assert plans[0].levels[0].result_file.endswith("warmup-in128.json")
+    assert len({seed for _, seed in on}) == len(on)  # no prompt is another's prefix
+    assert all(lv.num_prompts == lv.concurrency == 1 for lv in plans[0].levels)
+    assert all(lv.kv_file and lv.prefill_url for lv in plans[0].levels)
+    assert {lv.input_len for lv in plans[0].levels} == {128, 1024, 4096}
+
+
+def test_digest_benchmark_runs_the_plugins_digest_on_every_region() -> None:
+    pytest.importorskip("vllm")
+    from bench import kv_checksum
+
+    data = kv_checksum.digest_benchmark(TWIN, cache_bytes=32 * BLOCK, tokens=64,
+                                        rounds=1)  # fmt: skip
+    assert data["regions"] == 9 and data["bytes"] == TWIN.transfer_bytes(64)
+    assert data["same_digest_on_every_thread_count"] is True
+    methods = {(r["threads"], r["method"]) for r in data["results"]}
+    assert {m for _, m in methods} == set(kv_checksum.DIGEST_METHODS)
+    assert 1 in {t for t, _ in methods}
+    assert "| threads | digest GB/s |" in "\n".join(kv_checksum.digest_markdown(data))

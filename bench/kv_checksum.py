@@ -1,0 +1,379 @@
+"""What the plugin's KV checksum (pd_mooncake.checksum) costs.
+
+Two measurements, both in the report's "KV checksum" section:
+
+- on the stack: the same requests through a P/D stack with the checksum on
+  (as configs/vllm has it) and again after a restart with
+  ``PD_MOONCAKE_KV_CHECKSUM=0``: TTFT and the transfer time per request, at
+  each prompt length, p50 over ``BENCH_CHECKSUM_REQUESTS`` requests. Each
+  request is its own ``vllm bench serve`` level of one prompt at concurrency
+  1, so the prefill's transfer counters give every request's own transfer
+  time (not a mean per level), and prefill and decode each digest one
+  request at a time, as on a quiet server. Both passes send the same prompts
+  (one seed per request, none shared with the main sweep, none shared
+  between lengths: the random dataset's prompts with one seed are prefixes
+  of each other) after one warm-up request that is not counted (the off
+  stack is new: its first transfer also connects Mooncake's peers). Decode's
+  checksum series say whether each pass really had it on or off.
+- the digest alone, in-process (``python -m bench checksum --digest-only``):
+  real tensors shaped as the stack's KV regions (one per registered layer;
+  the cache as large as a server's), a 4096-token request's blocks scattered
+  in them; GB/s of the plugin's ``digest`` over them against a plain read
+  (an int64 sum) and a copy of the same bytes, and the gather alone, on one
+  thread (what a 1-thread server has) and on torch's default threads.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import timeit
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.levels import LevelResult, fmt, fmt_pct, level_name, table
+from bench.settings import Settings, human_bytes
+from bench.vllm_bench import Level, Plan
+from pdstack import kv_layout
+from pdstack import metrics as m
+
+ENV = "PD_MOONCAKE_KV_CHECKSUM"
+STATES = ("on", "off")
+DIR = "kv_checksum"
+DIGEST_FILE = "digest.json"
+STATE_FILE = "state.json"
+# Only TTFT is measured: two output tokens keep each request short.
+OUTPUT_LEN = 2
+# Seeds of the checksum's requests: clear of the main sweep's (seed + level).
+SEED_OFFSET = 1000
+WARMUP = "warmup"
+DIGEST_TOKENS = 4096
+DIGEST_ROUNDS = 7
+DIGEST_METHODS = ("digest", "gather", "read", "copy")
+
+
+def pass_dir(run_dir: Path, state: str) -> Path:
+    return run_dir / DIR / state
+
+
+def plan(s: Settings, router: str, prefill: str, out: Path, tokenizer: str) -> Plan:
+    """One warm-up request, then ``checksum_requests`` single-request levels
+    per prompt length, shortest first; the same prompts for either state."""
+
+    def level(name: str, length: int, seed: int) -> Level:
+        return Level("pd", router, length, 1, 1, seed, str(out / f"{name}.json"),
+                     prefill, str(out / f"{name}.kv.json"))  # fmt: skip
+
+    first = min(s.input_lens)
+    levels = [level(f"{WARMUP}-in{first}", first, s.seed + SEED_OFFSET - 1)]
+    for k, (length, i) in enumerate(
+        (n, i) for n in sorted(s.input_lens) for i in range(s.checksum_requests)
+    ):
+        name = f"{level_name('pd', length, 1)}-r{i}"
+        levels.append(level(name, length, s.seed + SEED_OFFSET + k))
+    return Plan(s.model, tokenizer, OUTPUT_LEN, s.level_timeout_s, tuple(levels),
+                budget_s=s.sweep_budget_s)  # fmt: skip
+
+
+def decode_state(snapshot: m.Snapshot) -> dict[str, float]:
+    return {
+        "enabled": snapshot.total(m.CHECKSUM_ENABLED),
+        "matched_regions": snapshot.total(m.CHECKSUM_MATCH),
+        "mismatched_regions": snapshot.total(m.CHECKSUM_MISMATCH),
+    }
+
+
+def state_json(before: m.Snapshot, after: m.Snapshot) -> dict[str, float]:
+    """Decode's checksum over a pass: the gauge as it stands, the counters'
+    deltas (regions verified, regions that differed)."""
+    delta = decode_state(after - before)
+    delta["enabled"] = decode_state(after)["enabled"]
+    return delta
+
+
+# -- reading a run directory ------------------------------------------------------
+@dataclass(frozen=True)
+class Side:
+    """One state at one prompt length: per request, TTFT and transfer time."""
+
+    ttft_ms: list[float]
+    transfer_ms: list[float]
+
+    def p50_ttft(self) -> float | None:
+        return statistics.median(self.ttft_ms) if self.ttft_ms else None
+
+    def p50_transfer(self) -> float | None:
+        return statistics.median(self.transfer_ms) if self.transfer_ms else None
+
+
+@dataclass(frozen=True)
+class Result:
+    sides: dict[str, dict[int, Side]]
+    states: dict[str, dict[str, float]]
+    digest: Mapping[str, Any] | None
+
+    def lengths(self) -> list[int]:
+        return sorted({n for by_len in self.sides.values() for n in by_len})
+
+    def side(self, state: str, length: int) -> Side | None:
+        return self.sides.get(state, {}).get(length)
+
+    def ttft_cost(self, length: int) -> tuple[float, float] | None:
+        """(ms, share of the off TTFT) the checksum adds at ``length``, p50s."""
+        on, off = self.side("on", length), self.side("off", length)
+        a = on.p50_ttft() if on else None
+        b = off.p50_ttft() if off else None
+        if a is None or b is None or b <= 0:
+            return None
+        return a - b, (a - b) / b
+
+    def as_intended(self) -> str | None:
+        """Why a pass was not what its name says, if it was not."""
+        for state, want in (("on", 1.0), ("off", 0.0)):
+            got = self.states.get(state, {}).get("enabled")
+            if got is not None and (got > 0) != bool(want):
+                return f"the '{state}' pass had decode's checksum gauge at {got:g}"
+        return None
+
+
+def _side(where: Path, length: int) -> Side:
+    ttft, transfer = [], []
+    for path in sorted(where.glob(f"{level_name('pd', length, 1)}-r*.json")):
+        if path.name.endswith((".status.json", ".kv.json")):
+            continue
+        level = LevelResult.from_json(json.loads(path.read_text()))
+        if not level.completed or "p50_ttft_ms" not in level.values:
+            continue
+        ttft.append(level.values["p50_ttft_ms"])
+        kv = path.with_name(path.name.removesuffix(".json") + ".kv.json")
+        counters = json.loads(kv.read_text()) if kv.exists() else {}
+        if counters.get("transfers"):
+            transfer.append(counters["seconds"] / counters["transfers"] * 1e3)
+    return Side(ttft, transfer)
+
+
+def read(run_dir: Path) -> Result | None:
+    root = run_dir / DIR
+    if not root.exists():
+        return None
+    sides: dict[str, dict[int, Side]] = {}
+    states = {}
+    for state in STATES:
+        where = root / state
+        lengths = {
+            LevelResult.from_json(json.loads(p.read_text())).input_len
+            for p in where.glob("pd-in*-r*.json")
+            if not p.name.endswith((".status.json", ".kv.json"))
+        }
+        sides[state] = {n: side for n in lengths if (side := _side(where, n)).ttft_ms}
+        if (where / STATE_FILE).exists():
+            states[state] = json.loads((where / STATE_FILE).read_text())
+    digest = root / DIGEST_FILE
+    return Result(
+        sides, states, json.loads(digest.read_text()) if digest.exists() else None
+    )
+
+
+def summary(result: Result | None) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    return {
+        "levels": [
+            {
+                "input_len": n,
+                **{
+                    f"{key}_{state}": getattr(side, key)()
+                    for state in STATES
+                    if (side := result.side(state, n))
+                    for key in ("p50_ttft", "p50_transfer")
+                },
+                "ttft_cost_ms_and_share": result.ttft_cost(n),
+            }
+            for n in result.lengths()
+        ],
+        "states": result.states,
+        "digest": result.digest,
+    }
+
+
+# -- the report's section -----------------------------------------------------------
+def _pair(on: float | None, off: float | None, digits: int = 0) -> str:
+    return f"{fmt(on, digits)} / {fmt(off, digits)}"
+
+
+HEAD = ("prompt", "requests on / off", "TTFT p50 on / off ms",
+        "checksum's cost, ms (% of TTFT off)", "transfer p50 on / off ms")  # fmt: skip
+
+
+def markdown(result: Result) -> list[str]:
+    out = ["## KV checksum: on / off", ""]
+
+    def cells(n: int) -> list[str]:
+        on = result.side("on", n) or Side([], [])
+        off = result.side("off", n) or Side([], [])
+        cost = result.ttft_cost(n)
+        return [
+            str(n),
+            f"{len(on.ttft_ms)} / {len(off.ttft_ms)}",
+            _pair(on.p50_ttft(), off.p50_ttft()),
+            "n/a" if cost is None else f"{cost[0]:+,.0f} ({fmt_pct(cost[1])})",
+            _pair(on.p50_transfer(), off.p50_transfer(), 1),
+        ]
+
+    if result.lengths():
+        out += [
+            "The same prompts through the P/D stack with the checksum on, then "
+            f"restarted with `{ENV}=0`; one request at a time (concurrency 1), "
+            f"{OUTPUT_LEN} output tokens; p50 over the requests.",
+            "",
+            *table(HEAD, map(cells, result.lengths())),
+        ]
+    for state, data in result.states.items():
+        restart = data.get("restart_s")
+        out.append(
+            f"- decode, pass '{state}': checksum gauge {data.get('enabled', 0):g}, "
+            f"{data.get('matched_regions', 0):.0f} regions verified, "
+            f"{data.get('mismatched_regions', 0):.0f} mismatched"
+            + ("" if restart is None else f"; stack restarted in {restart:.0f} s")
+        )
+    if result.digest:
+        out += ["", *digest_markdown(result.digest)]
+    return out
+
+
+def digest_markdown(data: Mapping[str, Any]) -> list[str]:
+    rows: dict[int, dict[str, Mapping[str, Any]]] = {}
+    for r in data.get("results", []):
+        rows.setdefault(int(r["threads"]), {})[r["method"]] = r
+
+    def cells(threads: int) -> list[str]:
+        by = rows[threads]
+        gbps = [fmt(by[k]["GBps"], 2) if k in by else "n/a" for k in DIGEST_METHODS]
+        digest_s = by.get("digest", {}).get("seconds")
+        read = by.get("read", {}).get("GBps")
+        share = by["digest"]["GBps"] / read if read and "digest" in by else None
+        return [str(threads), *gbps, fmt_pct(share),
+                fmt(digest_s * 1e3 if digest_s else None, 1)]  # fmt: skip
+
+    head = ["threads", "digest GB/s", "gather GB/s", "plain read (int64 sum) GB/s",
+            "copy GB/s", "digest / read", "ms per request"]  # fmt: skip
+    return [
+        f"The digest alone (in-process): one {data.get('tokens')}-token request, "
+        f"{human_bytes(float(data.get('bytes', 0)))} in {data.get('regions')} KV "
+        f"regions of {data.get('cache_blocks')} blocks each, its blocks scattered; "
+        f"median of {data.get('rounds')} rounds. Prefill and decode each digest a "
+        "request once.",
+        "",
+        *table(head, map(cells, sorted(rows))),
+    ]
+
+
+# -- the digest micro-benchmark -------------------------------------------------------
+def _median_seconds(fn: Callable[[], Any], rounds: int) -> float:
+    fn()  # warm: the digest's weight tables, the allocator
+    return statistics.median(timeit.repeat(fn, number=1, repeat=rounds))
+
+
+def digest_benchmark(
+    layout: kv_layout.KVLayout,
+    cache_bytes: int,
+    tokens: int = DIGEST_TOKENS,
+    rounds: int = DIGEST_ROUNDS,
+) -> dict[str, Any]:
+    """GB/s of the plugin's digest over one request's blocks in real tensors
+    of ``layout``'s regions, against a read, a copy and a gather of them."""
+    import torch
+
+    from pd_mooncake import checksum  # imports vLLM's Mooncake connector
+
+    blocks = layout.blocks(tokens)
+    cache_blocks = max(blocks, cache_bytes // layout.bytes_per_block())
+    gen = torch.Generator().manual_seed(0)
+    regions = []
+    for region in layout.regions:
+        words = region.bytes_per_token * layout.block_size // 4
+        for _ in range(region.layers):
+            pages = torch.randint(-(2**31), 2**31 - 1, (cache_blocks, words),
+                                  dtype=torch.int32, generator=gen)  # fmt: skip
+            ids = torch.randperm(cache_blocks, generator=gen)[:blocks]
+            regions.append((pages, ids))
+    gathered = [pages.index_select(0, ids) for pages, ids in regions]
+    wide = [g.view(torch.int64) if g.shape[1] % 2 == 0 else g for g in gathered]
+    methods: dict[str, Callable[[], Any]] = {
+        "digest": lambda: [checksum.digest(p, i) for p, i in regions],
+        "gather": lambda: [p.index_select(0, i) for p, i in regions],
+        "read": lambda: [g.sum(dtype=torch.int64) for g in wide],
+        "copy": lambda: [g.clone() for g in gathered],
+    }
+    nbytes = sum(g.numel() * g.element_size() for g in gathered)
+    default = torch.get_num_threads()
+    results, digests = [], set()
+    try:
+        for threads in sorted({1, default}):
+            torch.set_num_threads(threads)
+            digests.add(tuple(int(d) for d in methods["digest"]()))
+            for name in DIGEST_METHODS:
+                took = _median_seconds(methods[name], rounds)
+                gbps = nbytes / took / 1e9
+                results.append(
+                    {"threads": threads, "method": name, "seconds": took, "GBps": gbps}
+                )
+    finally:
+        torch.set_num_threads(default)
+    return {
+        "tokens": tokens,
+        "bytes": nbytes,
+        "regions": len(regions),
+        "cache_blocks": cache_blocks,
+        "rounds": rounds,
+        "default_threads": default,
+        "same_digest_on_every_thread_count": len(digests) == 1,
+        "results": results,
+    }
+
+
+def digest_seconds(result: Result | None, threads: int = 1) -> float | None:
+    for r in (result.digest or {}).get("results", []) if result else []:
+        if r["method"] == "digest" and int(r["threads"]) == threads:
+            return float(r["seconds"])
+    return None
+
+
+def layout_for(path: Path | None, profile: str) -> kv_layout.KVLayout | None:
+    """A run's served layout (kv_layout.json), else the twin's from its models."""
+    from bench import kv_transfer
+    from pdstack import config, tiny_model
+
+    if path is not None and path.exists():
+        return kv_transfer.layout_from_json(json.loads(path.read_text()))
+    if config.profile(profile).get("generate") != "tiny":
+        return None
+    models = tiny_model.ensure_models(progress=lambda _: None)
+    target = kv_layout.read_config(models.target)
+    dtype = str(target.get("torch_dtype") or target.get("dtype") or "float32")
+    block = int(config.vllm_flags("prefill", profile, "cpu")["block-size"])
+    draft = kv_layout.read_config(models.draft)
+    return kv_layout.layout(target, draft, dtype, block)
+
+
+def cache_bytes(profile: str) -> int:
+    from pdstack import config
+
+    flags = config.vllm_flags("prefill", profile, "cpu")
+    return int(flags.get("kv-cache-memory-bytes") or 512 << 20)
+
+
+def digest_command(profile: str, layout_file: Path | None, out: Path | None) -> int:
+    """``python -m bench checksum --digest-only``: print the table, keep the JSON."""
+    layout = layout_for(layout_file, profile)
+    if layout is None:
+        print(f"bench: no KV layout for profile {profile!r}: give --layout FILE")
+        return 2
+    data = digest_benchmark(layout, cache_bytes(profile))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1))
+    print("\n".join(digest_markdown(data)), flush=True)
+    return 0
