@@ -75,11 +75,20 @@ def _send(pool: ThreadPoolExecutor, stack: FaultStack, bodies: list) -> list[Fut
     return [pool.submit(one, body) for body in bodies]
 
 
-def _kill_when(role: str, busy: Callable[[], bool], what: str) -> float:
-    """SIGKILL ``role`` once ``busy()`` (at most 120 s); the time of the kill."""
+def _kill_in_flight(
+    pool: ThreadPoolExecutor,
+    stack: FaultStack,
+    bodies: list,
+    role: str,
+    busy: Callable[[], bool],
+    what: str,
+) -> tuple[list[Future], float]:
+    """Send ``bodies`` (:func:`_send`), then SIGKILL ``role`` once ``busy()``
+    (at most 120 s): their futures and the time of the kill."""
+    futures = _send(pool, stack, bodies)
     wait.poll(busy, bool, 120, what, interval_s=0.2)
     twin.kill(role, RUN_DIR, progress=progress)
-    return time.monotonic()
+    return futures, time.monotonic()
 
 
 def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
@@ -89,8 +98,10 @@ def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
     late = [greedy(faults.prompt(45 + 5 * i, salt=4100 + i), 8) for i in range(4)]
     before = m.scrape(faults.prefill)
     with ThreadPoolExecutor(max_workers=16) as pool:
-        first = _send(pool, faults, bodies)
-        killed_at = _kill_when(
+        first, killed_at = _kill_in_flight(
+            pool,
+            faults,
+            bodies,
             "decode",
             lambda: state(faults, ("decode",))["decode_requests"] >= 4,
             "4 requests on decode",
@@ -157,8 +168,10 @@ def test_prefill_killed_with_requests_in_flight(faults: FaultStack) -> None:
     bodies = [greedy(faults.prompt(600 + 40 * i, salt=4300 + i), 16) for i in range(12)]
     started = m.scrape(faults.prefill)
     with ThreadPoolExecutor(max_workers=12) as pool:
-        futures = _send(pool, faults, bodies)
-        killed_at = _kill_when(
+        futures, killed_at = _kill_in_flight(
+            pool,
+            faults,
+            bodies,
             "prefill",
             lambda: _prefill_at_work(faults.prefill, started),
             "prefill at work on the prompts",
