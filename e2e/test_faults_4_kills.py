@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from unittest import mock
 
@@ -66,29 +66,28 @@ def _restart(stack: FaultStack, role: str) -> tuple[float, dict[str, int]]:
         return took, twin.running(RUN_DIR)
 
 
-def _send(pool: ThreadPoolExecutor, stack: FaultStack, bodies: list) -> list[Future]:
-    """Each body through the router; a result is (outcome, time it ended)."""
-
-    def one(body: dict[str, Any]) -> tuple[Outcome, float]:
-        return post(stack.router, body, timeout=300), time.monotonic()
-
-    return [pool.submit(one, body) for body in bodies]
-
-
 def _kill_in_flight(
-    pool: ThreadPoolExecutor,
     stack: FaultStack,
     bodies: list,
     role: str,
     busy: Callable[[], bool],
     what: str,
-) -> tuple[list[Future], float]:
-    """Send ``bodies`` (:func:`_send`), then SIGKILL ``role`` once ``busy()``
-    (at most 120 s): their futures and the time of the kill."""
-    futures = _send(pool, stack, bodies)
-    wait.poll(busy, bool, 120, what, interval_s=0.2)
-    twin.kill(role, RUN_DIR, progress=progress)
-    return futures, time.monotonic()
+    late: Sequence[dict[str, Any]] = (),
+) -> tuple[list[tuple[Outcome, float]], float]:
+    """Send ``bodies`` through the router, SIGKILL ``role`` once ``busy()`` (at
+    most 120 s), then send ``late``: each result (outcome, time it ended) and
+    the time of the kill."""
+
+    def one(body: dict[str, Any]) -> tuple[Outcome, float]:
+        return post(stack.router, body, timeout=300), time.monotonic()
+
+    with ThreadPoolExecutor(max_workers=len(bodies) + len(late)) as pool:
+        futures = [pool.submit(one, body) for body in bodies]
+        wait.poll(busy, bool, 120, what, interval_s=0.2)
+        twin.kill(role, RUN_DIR, progress=progress)
+        killed_at = time.monotonic()
+        futures += [pool.submit(one, body) for body in late]
+        return [f.result() for f in futures], killed_at
 
 
 def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
@@ -97,18 +96,16 @@ def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
     bodies = [greedy(faults.prompt(30 + 7 * i, salt=4000 + i), 300) for i in range(8)]
     late = [greedy(faults.prompt(45 + 5 * i, salt=4100 + i), 8) for i in range(4)]
     before = m.scrape(faults.prefill)
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        first, killed_at = _kill_in_flight(
-            pool,
-            faults,
-            bodies,
-            "decode",
-            lambda: state(faults, ("decode",))["decode_requests"] >= 4,
-            "4 requests on decode",
-        )
-        # Before the router notices: the prefill leg runs, the decode leg cannot.
-        second = _send(pool, faults, late)
-        results = [f.result() for f in first + second]
+    # The late ones before the router notices: the prefill leg runs, the
+    # decode leg cannot.
+    results, killed_at = _kill_in_flight(
+        faults,
+        bodies,
+        "decode",
+        lambda: state(faults, ("decode",))["decode_requests"] >= 4,
+        "4 requests on decode",
+        late,
+    )
     held = m.scrape(faults.prefill).total(m.KV_USAGE)
     terminal = max(end - killed_at for _, end in results)
     statuses = [o.status for o, _ in results]
@@ -167,17 +164,14 @@ def test_prefill_killed_with_requests_in_flight(faults: FaultStack) -> None:
     # Long prompts: prefill is busy for seconds, some transfers are under way.
     bodies = [greedy(faults.prompt(600 + 40 * i, salt=4300 + i), 16) for i in range(12)]
     started = m.scrape(faults.prefill)
-    with ThreadPoolExecutor(max_workers=12) as pool:
-        futures, killed_at = _kill_in_flight(
-            pool,
-            faults,
-            bodies,
-            "prefill",
-            lambda: _prefill_at_work(faults.prefill, started),
-            "prefill at work on the prompts",
-        )
-        results = [f.result() for f in futures]
-        while_dead = post(faults.router, greedy(faults.prompt(20, salt=4399), 4))
+    results, killed_at = _kill_in_flight(
+        faults,
+        bodies,
+        "prefill",
+        lambda: _prefill_at_work(faults.prefill, started),
+        "prefill at work on the prompts",
+    )
+    while_dead = post(faults.router, greedy(faults.prompt(20, salt=4399), 4))
     statuses = [o.status for o, _ in results]
     after_kill = sorted(round(end - killed_at, 1) for _, end in results)
     # Decode must not keep waiting for KV from the dead prefill.
