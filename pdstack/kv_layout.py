@@ -75,13 +75,6 @@ class KVLayout:
         """Bytes of one transfer of ``tokens`` prompt tokens (whole blocks)."""
         return self.blocks(tokens) * self.bytes_per_block(layout)
 
-    def model_bytes(self, tokens: int, model: str) -> int:
-        return self.blocks(tokens) * sum(
-            r.layers * r.bytes_per_token * self.block_size
-            for r in self.regions
-            if r.model == model
-        )
-
 
 def dtype_bytes(dtype: str) -> int:
     name = str(dtype).removeprefix("torch.")

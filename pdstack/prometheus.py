@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "docker" / "monitoring"
 ALERTS = MONITORING / "prometheus" / "alerts.yml"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "pd-mooncake.json"
-JOBS = ("prefill", "decode", "router")
 # The container path compose mounts the rules at (docker/compose.stack.yaml).
 CONTAINER_ALERTS = "/etc/prometheus/alerts.yml"
 READY_DEADLINE_S = 60.0
