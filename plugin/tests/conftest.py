@@ -230,3 +230,14 @@ def timed_pull(
         return True, time.monotonic() - start
 
     return asyncio.run(go())
+
+
+STALL_S = 0.05  # the short-stall tests' Mooncake transfer timeout
+
+
+@pytest.fixture
+def short_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pd_mooncake import connector
+
+    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
+    monkeypatch.setattr(connector, "MOONCAKE_TRANSFER_TIMEOUT_S", STALL_S)

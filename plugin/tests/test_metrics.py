@@ -22,6 +22,7 @@ from prometheus_client import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import STALL_S
 from pd_mooncake import connector, metrics
 
 
@@ -160,7 +161,6 @@ def test_a_coalesced_descriptor_is_split_across_interleaved_layers() -> None:
 # demand between two real engines, so the engine is scripted; the worker's
 # retry loop, upstream's _send_blocks, the stats and the scrape are the real ones.
 
-STALL_S = 0.05
 UPSTREAM_LOGGER = (
     "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
 )
@@ -197,12 +197,6 @@ class OnUpstreamFailure(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.getMessage().startswith(f"Sending to {self.session} failed"):
             self.action()
-
-
-@pytest.fixture
-def short_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
-    monkeypatch.setattr(connector, "MOONCAKE_TRANSFER_TIMEOUT_S", STALL_S)
 
 
 @contextlib.contextmanager

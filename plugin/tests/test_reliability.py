@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
 )
 from vllm.v1.request import RequestStatus
 
-from conftest import BLOCK_SIZE, kv_cache_config, pull_worker, timed_pull
+from conftest import BLOCK_SIZE, STALL_S, kv_cache_config, pull_worker, timed_pull
 from pd_mooncake import CONNECTOR_NAME, extra_config, reliability
 from pd_mooncake import connector as connector_module
 from pd_mooncake.connector import PDMooncakeConnector, PDMooncakeConnectorWorker
@@ -487,8 +487,6 @@ def test_liveness_interval_is_validated() -> None:
 
 # --- a stalled send is sent again ---------------------------------------------------
 
-STALL_S = 0.05  # this test's Mooncake transfer timeout
-
 
 class ScriptedEngine:
     """Stands in for the TransferEngine: a Mooncake TCP stall (a batch failed
@@ -505,12 +503,6 @@ class ScriptedEngine:
         status, seconds = self.results.pop(0) if self.results else (-1, STALL_S)
         time.sleep(seconds)
         return status
-
-
-@pytest.fixture
-def short_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
-    monkeypatch.setattr(connector_module, "MOONCAKE_TRANSFER_TIMEOUT_S", STALL_S)
 
 
 def sending_worker(results: list[tuple[int, float]]) -> PDMooncakeConnectorWorker:
