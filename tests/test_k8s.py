@@ -122,6 +122,12 @@ def workloads(objects: list[Object]) -> dict[str, Object]:
     }
 
 
+def servers(objects: list[Object]) -> list[tuple[str, Object]]:
+    """(name, workload) of prefill and decode, in that order."""
+    found = workloads(objects)
+    return [(name, found[name]) for name in SERVING]
+
+
 def pod(workload: Object) -> Object:
     spec: Object = workload["spec"]["template"]["spec"]
     return spec
@@ -273,8 +279,7 @@ def security_violations(objects: list[Object]) -> list[str]:
 def shm_violations(objects: list[Object]) -> list[str]:
     """Servers get a memory-backed, bounded /dev/shm (compose's shm_size)."""
     problems = []
-    for name in SERVING:
-        workload = workloads(objects)[name]
+    for name, workload in servers(objects):
         mounts = {
             m["mountPath"]: m["name"]
             for m in main_container(workload).get("volumeMounts", [])
@@ -395,8 +400,7 @@ def service_violations(objects: list[Object]) -> list[str]:
     problems = []
     found = workloads(objects)
     router_env = container_env(objects, main_container(found[ROUTER]))
-    for name in SERVING:
-        workload = found[name]
+    for name, workload in servers(objects):
         if workload["kind"] != "StatefulSet":
             problems.append(f"{name}: must be a StatefulSet (stable pod names)")
             continue
@@ -495,8 +499,7 @@ def reference_violations(objects: list[Object]) -> list[str]:
 def placement_violations(objects: list[Object]) -> list[str]:
     """kimi-k2.5: each server alone on its node (no two prefill/decode pods)."""
     problems = []
-    for name in SERVING:
-        workload = workloads(objects)[name]
+    for name, workload in servers(objects):
         terms = (
             (pod(workload).get("affinity") or {})
             .get("podAntiAffinity", {})
@@ -506,9 +509,8 @@ def placement_violations(objects: list[Object]) -> list[str]:
         for term in terms:
             if term.get("topologyKey") != "kubernetes.io/hostname":
                 continue
-            for other in SERVING:
-                labels = pod_labels(workloads(objects)[other])
-                if selects(term["labelSelector"], labels):
+            for other, peer in servers(objects):
+                if selects(term["labelSelector"], pod_labels(peer)):
                     apart.add(other)
         if apart != set(SERVING):
             missing = sorted(set(SERVING) - apart)
