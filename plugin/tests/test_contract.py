@@ -66,10 +66,22 @@ def release(request: pytest.FixtureRequest) -> Path:
 # --- names and signatures ------------------------------------------------------------
 
 
+# Fixes known not to attach to the other release (comma-separated; make
+# test-compat names them per release): exactly these, no more, no fewer.
+EXPECT_MISSING_ENV = "PD_MOONCAKE_EXPECT_MISSING"
+
+
 def test_every_fix_attaches(release: Path) -> None:
     report = fixes.check(view_of(release))
     print(report.line())
-    assert report.missing == {}
+    expected = set()
+    if release != INSTALLED:
+        expected = {
+            f.strip()
+            for f in os.environ.get(EXPECT_MISSING_ENV, "").split(",")
+            if f.strip()
+        }
+    assert set(report.missing) == expected, report.line()
 
 
 def test_the_source_check_agrees_with_the_live_classes() -> None:
@@ -83,7 +95,10 @@ def test_the_source_check_agrees_with_the_live_classes() -> None:
                 continue
             obj = getattr(owners[need.owner] if need.owner else upstream, need.name)
             params = tuple(inspect.signature(obj).parameters)
-            assert (params[1:] if need.owner else params) == need.params, need
+            params = params[1:] if need.owner else params
+            if need.leading:
+                params = params[: len(need.params)]
+            assert params == need.params, need
             assert inspect.iscoroutinefunction(obj) == need.is_async, need
             checked += 1
     assert checked >= 15

@@ -26,6 +26,7 @@ from pd_mooncake import (
     fixes,
     registration,
     reliability,
+    stall_guard,
     tcp_limits,
 )
 from pd_mooncake.metrics import (
@@ -38,11 +39,11 @@ from pd_mooncake.worker_regions import RegionsWorker
 # Under "vllm." so vLLM's logging configuration (handler, level) applies.
 logger = logging.getLogger("vllm.pd_mooncake")
 
-# Prefill: a transfer that stalled until Mooncake's transfer timeout is sent
-# again while another attempt (reliability.SendTimeouts.attempt_s) still ends
-# within this many seconds of the first one (_send_blocks). The hard bound is
-# decode's wait for the pull (reliability.SendTimeouts.may_start): no attempt
-# starts that could still be writing when decode gives up on the request.
+# Prefill: a stalled transfer's pending descriptors are sent again while they
+# could still end (reliability.SendTimeouts.attempt_s, Mooncake's own slice
+# timeouts) within this many seconds of the first submission (_send_blocks).
+# The hard bound is decode's wait for the pull (SendTimeouts.may_start): no
+# resend starts that could still be writing when decode gives up.
 SEND_RETRY_BUDGET_S = 120.0
 # Mooncake's transfer timeout (MC_TRANSFER_TIMEOUT), its 0.3.x default.
 MOONCAKE_TRANSFER_TIMEOUT_S = 30.0
@@ -63,11 +64,6 @@ def _loaded(meta: Any) -> bool:
 def _transfer_timeout() -> float:
     limit = os.environ.get("MC_TRANSFER_TIMEOUT", "")
     return float(limit) if limit.isdigit() else MOONCAKE_TRANSFER_TIMEOUT_S
-
-
-def _stalled(seconds: float) -> bool:
-    """A failed transfer that lasted (nearly) Mooncake's whole timeout."""
-    return seconds >= 0.9 * _transfer_timeout()
 
 
 def _request_ids_randomized() -> bool:
@@ -98,30 +94,46 @@ def _upstream_builds(worker_cls: type) -> Iterator[None]:
 class PDMooncakeConnectorWorker(
     RegionsWorker, checksum.ChecksumWorker, upstream.MooncakeConnectorWorker
 ):
-    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+    # Prefill: seconds without a descriptor completing before the pending
+    # ones are sent again (kv_connector_extra_config.send_stall_s).
+    stall_s: float = stall_guard.DEFAULT_STALL_S
+    _orphans: stall_guard.Orphans | None = None
+
+    def __init__(self, vllm_config: Any, engine_id: str, *upstream_args: Any) -> None:
+        # upstream_args: what the installed release's connector passes after
+        # the engine id (kv_cache_config since 0.20; nothing on 0.19.x).
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         # Upstream's default protocol is rdma.
         self.protocol = extra.get("mooncake_protocol", "rdma")
         # Before super(): the TransferEngine reads these when it is built.
         tcp_limits.raise_queue_limits(self.protocol)
         with cpu_support.cpu_device_index():
-            super().__init__(vllm_config, engine_id, kv_cache_config)
-        # Upstream has PR 39596 (the plugin imports names only such releases
-        # have); the backport runs only when asked for, to compare with it.
-        self.backport = bool(extra.get("force_registration_backport"))
+            super().__init__(vllm_config, engine_id, *upstream_args)
+        # Where upstream has PR 39596 the backport runs only when asked for
+        # (to compare with it); before it (0.19.x), always: upstream's own
+        # registration dies on the seed's assertion.
+        self.backport = bool(
+            extra.get("force_registration_backport")
+        ) or not registration.upstream_has_fix(upstream.MooncakeConnectorWorker)
+        # A fix that does not attach to this release leaves upstream's
+        # behaviour alone (fixes.enforce has refused or allowed it already).
+        attached = fixes.installed_report().attached
         self.xfer_stats = PDMooncakeStats()
         self.regions: list[registration.Region] = []
         offset = extra.get("side_channel_port_offset")
-        if offset and not self.is_kv_consumer:
+        if offset and not self.is_kv_consumer and "fixed_side_channel" in attached:
             self._use_fixed_side_channel(vllm_config, offset)
         self.randomized_ids = _request_ids_randomized()
         # Decode: probe a pending pull's prefill this often (0: never).
         self.liveness_interval_s = float(
             extra.get("prefill_liveness_interval_s", LIVENESS_INTERVAL_S)
+            if "dead_prefill_probe" in attached
+            else 0
         )
-        if not self.is_kv_consumer:
+        if not self.is_kv_consumer and "send_deadline" in attached:
             self._bound_sends(os.environ)
-        self._install_checksum(extra)
+        self.stall_s = float(extra.get("send_stall_s", stall_guard.DEFAULT_STALL_S))
+        self._install_checksum(extra if "kv_checksum" in attached else {})
 
     def _bound_sends(self, env: Any) -> None:
         """Prefill: fail start-up on timeouts that let a send outlive decode's
@@ -175,6 +187,12 @@ class PDMooncakeConnectorWorker(
         )
 
     # -- transfer -------------------------------------------------------------
+    @property
+    def send_orphans(self) -> stall_guard.Orphans:
+        if self._orphans is None:
+            self._orphans = stall_guard.Orphans()
+        return self._orphans
+
     def _send_blocks(
         self,
         remote_session: str,
@@ -182,9 +200,12 @@ class PDMooncakeConnectorWorker(
         dst_ptrs: list[int],
         lengths: list[int],
     ) -> int:
+        """Upstream's send (one sync Mooncake batch, its stats and log line),
+        with the write through stall_guard: a stall costs ``stall_s``, not
+        Mooncake's whole timeout, and resends only what is pending."""
         timeouts: reliability.SendTimeouts | None = getattr(self, "send_timeouts", None)
         # Set by send_kv_to_decode for the pull this send answers; None when
-        # called outside one (then only the budget bounds retries).
+        # called outside one (then only the budget bounds resends).
         clock = reliability.PULL_CLOCK.get()
         attempt_s = timeouts.attempt_s if timeouts else _transfer_timeout()
 
@@ -193,9 +214,31 @@ class PDMooncakeConnectorWorker(
                 return False
             return not timeouts.may_start(now, clock.last_message)
 
+        first = time.monotonic()
+
+        def may_resend(now: float) -> bool:
+            # Submitted slices can write until Mooncake's own attempt
+            # timeouts end them: no resend that could outlast the budget or
+            # decode's wait.
+            return now - first + attempt_s <= SEND_RETRY_BUDGET_S and not too_late(now)
+
+        def on_resend(pending: int) -> None:
+            # Mooncake's TCP transport (0.3.13) can leave both peers not
+            # reading bytes already in their sockets (seen here and in CI,
+            # kvcache-ai/Mooncake#4209 family); a new submission set them
+            # moving again. The bytes are the same and decode still waits.
+            logger.warning(
+                "PD Mooncake: send to %s stalled (%d of %d descriptors pending, "
+                "none done in %.1fs); sending those again",
+                remote_session,
+                pending,
+                len(src_ptrs),
+                self.stall_s,
+            )
+            self.xfer_stats.record_retry()
+
         # Lets the stats attribute these bytes to regions (see metrics).
         with sending_descriptors(src_ptrs, lengths):
-            first = time.monotonic()
             if too_late(first):
                 # Decode gives up before this attempt could end, and then
                 # gives the blocks to another request: do not write.
@@ -208,30 +251,35 @@ class PDMooncakeConnectorWorker(
                 )
                 self.xfer_stats.record_failed_transfer()
                 return -1
-            while True:
-                began = time.monotonic()
-                ret = super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
-                now = time.monotonic()
-                if ret == 0 or not _stalled(now - began):
-                    return ret
-                # Checked before the next attempt, with its length: no
-                # attempt runs past the budget or decode's wait.
-                if now - first + attempt_s > SEND_RETRY_BUDGET_S or too_late(now):
-                    return ret
-                # Mooncake's TCP transport (0.3.13) can leave a peer
-                # unanswering for a minute while the transfer times out
-                # (MC_TRANSFER_TIMEOUT), then serve again (seen in CI here,
-                # kvcache-ai/Mooncake#4209 family). Decode's blocks wait for
-                # this answer and the bytes are the same: sending again is
-                # safe while decode still waits. A fast failure (peer gone,
-                # queue full) is not a stall and is not retried.
-                logger.warning(
-                    "PD Mooncake: send to %s stalled until Mooncake's transfer "
-                    "timeout (ret=%s); sending again",
-                    remote_session,
-                    ret,
+            outcome = stall_guard.write(
+                self.engine,
+                remote_session,
+                src_ptrs,
+                dst_ptrs,
+                lengths,
+                stall_s=self.stall_s,
+                may_resend=may_resend,
+                orphans=self.send_orphans,
+                on_resend=on_resend,
+            )
+            if outcome.status == 0:
+                self.xfer_stats.record_transfer(
+                    duration_s=outcome.seconds,
+                    total_bytes=sum(lengths),
+                    num_descs=len(src_ptrs),
                 )
-                self.xfer_stats.record_retry()
+            else:
+                self.xfer_stats.record_failed_transfer()
+                logger.warning(
+                    "Sending to %s failed after %.3fs and %d resends "
+                    "(%d descriptors, %d bytes)",
+                    remote_session,
+                    outcome.seconds,
+                    outcome.resends,
+                    len(src_ptrs),
+                    sum(lengths),
+                )
+            return outcome.status
 
     async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any) -> None:
         # A rejection notice names the API request: free its siblings too,
@@ -345,10 +393,14 @@ class PDMooncakeConnector(upstream.MooncakeConnector):
             super().__init__(vllm_config, role, *args, **kwargs)
         scheduler = self.connector_scheduler
         self.randomized_ids = _request_ids_randomized()
+        # Not on a release whose scheduler hooks differ (fixes.py): upstream's ids.
+        self.sibling_ids = "sibling_transfer_ids" in fixes.installed_report().attached
         # Prefill's scheduler: one live request per transfer id (reliability).
         self.transfer_guard = (
             reliability.TransferIdGuard()
-            if scheduler is not None and not scheduler.is_kv_consumer
+            if scheduler is not None
+            and not scheduler.is_kv_consumer
+            and self.sibling_ids
             else None
         )
 
@@ -357,7 +409,9 @@ class PDMooncakeConnector(upstream.MooncakeConnector):
         """Give an n > 1 child or a batch's prompt its own transfer id
         (reliability.sibling_transfer_id), once, before upstream reads it."""
         params = request.kv_transfer_params
-        if not params or not params.get("transfer_id") or SIBLING_BASE in params:
+        if not self.sibling_ids or not params or not params.get("transfer_id"):
+            return
+        if SIBLING_BASE in params:
             return
         base = params["transfer_id"]
         own = reliability.sibling_transfer_id(

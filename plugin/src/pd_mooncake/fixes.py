@@ -49,6 +49,16 @@ BACKPORT_SETS = frozenset(
         "opaque_packed_storages",
     }
 )
+# The same on a worker from before PR 39596 (vLLM 0.19.x), which keeps less.
+LEGACY_BACKPORT_SETS = frozenset(
+    {
+        "num_blocks",
+        "kv_caches_base_addr",
+        "seen_base_addresses",
+        "block_len_per_layer",
+        "device_kv_caches",
+    }
+)
 
 
 class FixNotAttachedError(RuntimeError):
@@ -58,12 +68,14 @@ class FixNotAttachedError(RuntimeError):
 @dataclass(frozen=True)
 class Method:
     """``owner.name`` is a method with exactly these parameters after self
-    (we call super() positionally), sync or async as we await it."""
+    (we call super() positionally), sync or async as we await it.
+    ``leading``: these come first, any others follow (we pass them through)."""
 
     owner: str
     name: str
     params: tuple[str, ...]
     is_async: bool = False
+    leading: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,9 @@ class Fix:
     relied_on: Callable[[Mapping[str, Any], bool, bool], bool] = field(
         default=lambda extra, producer, consumer: True
     )
+    # Another upstream shape the fix attaches to as well (e.g. a release
+    # from before the code it works around changed): met if either is.
+    or_needs: tuple[Need, ...] = ()
 
 
 def _liveness_on(extra: Mapping[str, Any], producer: bool, consumer: bool) -> bool:
@@ -127,12 +142,28 @@ def _checksum_on(extra: Mapping[str, Any], producer: bool, consumer: bool) -> bo
     return bool(extra.get("kv_checksum"))
 
 
+def _backport_on(extra: Mapping[str, Any], producer: bool, consumer: bool) -> bool:
+    """Asked for, or needed: upstream without PR 39596 (vLLM 0.19.x) dies on
+    the seed's assertion for an MLA target with a GQA draft."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+        mooncake_connector as upstream,
+    )
+
+    from pd_mooncake import registration
+
+    return bool(
+        extra.get("force_registration_backport")
+    ) or not registration.upstream_has_fix(upstream.MooncakeConnectorWorker)
+
+
 FIXES: tuple[Fix, ...] = (
     Fix(
         # Every worker-side fix: upstream must build our worker class.
         "worker_class",
         (
-            Method(WORKER, "__init__", ("vllm_config", "engine_id", "kv_cache_config")),
+            # Upstream's own arguments are passed through (0.19.x has no
+            # kv_cache_config).
+            Method(WORKER, "__init__", ("vllm_config", "engine_id"), leading=True),
             Method(CONNECTOR, "__init__", ("vllm_config", "role", "kv_cache_config")),
             Calls(CONNECTOR, "__init__", WORKER),
         ),
@@ -149,8 +180,17 @@ FIXES: tuple[Fix, ...] = (
             Attr(WORKER, "_prepared_transfer_regions"),
             StoresOnly(WORKER, "register_kv_caches", BACKPORT_SETS),
         ),
-        lambda extra, producer, consumer: bool(
-            extra.get("force_registration_backport")
+        _backport_on,
+        # Before PR 39596 (0.19.x): no kv_cache_config, one block size for
+        # every tensor (worker_regions._register_legacy).
+        (
+            Method(WORKER, "register_kv_caches", ("kv_caches",)),
+            Method(WORKER, "_mooncake_sender_listener", ("ready_event",), True),
+            Attr(WORKER, "sender_loop"),
+            Attr(WORKER, "engine"),
+            Attr(WORKER, "kv_topo"),
+            Calls(WORKER, "register_kv_caches", "self.engine.batch_register_memory"),
+            StoresOnly(WORKER, "register_kv_caches", LEGACY_BACKPORT_SETS),
         ),
     ),
     Fix(
@@ -161,9 +201,10 @@ FIXES: tuple[Fix, ...] = (
                 "_send_blocks",
                 ("remote_session", "src_ptrs", "dst_ptrs", "lengths"),
             ),
-            # metrics: a retried attempt's failure is held, not recorded.
+            # The override replaces upstream's body (stall_guard instead of
+            # one sync batch) and records the stats upstream's did.
+            Calls(WORKER, "_send_blocks", "self.xfer_stats.record_transfer"),
             Calls(WORKER, "_send_blocks", "self.xfer_stats.record_failed_transfer"),
-            Calls(WORKER, "_send_blocks", "self.engine.batch_transfer_sync_write"),
             Attr(WORKER, "xfer_stats"),
         ),
         lambda extra, producer, consumer: producer,
@@ -393,6 +434,8 @@ class SourceView:
         if isinstance(need, Method):
             params = tuple(a.arg for a in [*node.args.posonlyargs, *node.args.args])
             params = params[1:] if need.owner else params
+            if need.leading:
+                params = params[: len(need.params)]
             is_async = isinstance(node, ast.AsyncFunctionDef)
             if params != need.params or is_async != need.is_async:
                 got = f"{'async ' if is_async else ''}({', '.join(params)})"
@@ -443,6 +486,10 @@ def check(view: SourceView, fixes: tuple[Fix, ...] = FIXES) -> Report:
     attached, missing = [], {}
     for fix in fixes:
         problems = [p for p in map(view.problem, fix.needs) if p is not None]
+        if problems and fix.or_needs:
+            other = [p for p in map(view.problem, fix.or_needs) if p is not None]
+            problems = [*problems, f"nor the older shape ({', '.join(other)})"]
+            problems = problems if other else []
         if problems:
             missing[fix.name] = problems
         else:
@@ -460,9 +507,19 @@ def installed_view() -> SourceView:
     return SourceView(inspect.getsource(mooncake_connector), inspect.getsource(base))
 
 
+def installed_report() -> Report:
+    """Which fixes attach to the installed vLLM: the worker and connector
+    leave an unattached fix's override to upstream (the source is parsed
+    once per process, installed_view)."""
+    return check(installed_view())
+
+
 def upstream_prom_metrics() -> type | None:
     """Upstream's own Mooncake Prometheus metrics (vLLM 0.33 has them), by feature."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import stats
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import stats
+    except ImportError:  # vLLM 0.19.x: no Mooncake stats module at all
+        return None
 
     return getattr(stats, "MooncakePromMetrics", None)
 
@@ -475,7 +532,7 @@ def enforce(
     view: SourceView | None = None,
 ) -> Report:
     """Log which fixes attach; raise if one this configuration relies on does not."""
-    report = check(view or installed_view())
+    report = check(view) if view is not None else installed_report()
     metrics_owner = "upstream" if upstream_prom_metrics() else "plugin"
     logger.info("%s; transfer metrics: %s", report.line(), metrics_owner)
     allowed = {a.strip() for a in os.environ.get(ALLOW_ENV, "").split(",") if a.strip()}

@@ -16,14 +16,18 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import (
-    MooncakeKVConnectorStats,
-)
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from pd_mooncake import checksum, faults
 from pd_mooncake import metric_names as names
 from pd_mooncake.metric_names import COUNTERS
+
+try:  # vLLM >= 0.20 has a Mooncake stats container (detected by the module)
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import (
+        MooncakeKVConnectorStats,
+    )
+except ModuleNotFoundError:  # 0.19.x: none; the same interface, ours
+    from pd_mooncake.legacy_stats import MooncakeKVConnectorStats
 
 REGION_BYTES = "region_bytes"
 
@@ -62,8 +66,7 @@ BYTES_BUCKETS = tuple(float(2**p) for p in range(12, 36, 2))
 
 # The sender thread's current send (``sending_descriptors``): its
 # descriptors, so the stats attribute bytes to regions under the same lock as
-# the transfer itself (a scrape never sees one without the other), and the
-# failures of its attempts, held back until the send settles.
+# the transfer itself (a scrape never sees one without the other).
 _sending = threading.local()
 
 
@@ -134,24 +137,10 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
         with self._lock:
             self.data.setdefault(key, []).append((region, layout))
 
-    def record_failed_transfer(self) -> None:
-        """Inside a send (``sending_descriptors``) the failure is held by this
-        thread's send, not recorded: the retry loop may still send again, and
-        a failure once in ``data`` can be scraped (``clone_and_reset``) before
-        it could be taken back, or another sender's be taken instead."""
-        send = getattr(_sending, "current", None)
-        if send is None:
-            super().record_failed_transfer()
-        else:
-            send.failures.append(self)
-
     def record_retry(self) -> None:
-        """The attempt that just failed is being sent again: it counts as
-        retried, never as failed (failed counts transfers that stay failed)."""
-        send = getattr(_sending, "current", None)
-        if send is not None and self in send.failures:
-            # This thread's own last failed attempt, never another sender's.
-            del send.failures[len(send.failures) - 1 - send.failures[::-1].index(self)]
+        """A stalled send's pending descriptors are sent again: retried, not
+        failed (failed counts transfers that stay failed; a send records its
+        failure only once it has given up, connector._send_blocks)."""
         with self._lock:
             self.data[RETRIED].append(1)
 
@@ -182,28 +171,19 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
 @dataclass
 class _Send:
     descriptors: tuple[list[int], list[int]]
-    # Stats whose failure record an attempt of this send asked for.
-    failures: list[PDMooncakeStats]
 
 
 class sending_descriptors:  # noqa: N801 - used as a context manager
-    """One send, every attempt of it, in the sending thread (``_send_blocks``).
-
-    A failed attempt's record is held until the send settles; on exit the
-    failures not taken back by ``record_retry`` (the last attempt's, when
-    the retries gave up or the failure was not a stall) are recorded.
-    """
+    """One send, in the sending thread (``_send_blocks``)."""
 
     def __init__(self, src_ptrs: list[int], lengths: list[int]) -> None:
         self.value = (src_ptrs, lengths)
 
     def __enter__(self) -> None:
-        _sending.current = _Send(self.value, [])
+        _sending.current = _Send(self.value)
 
     def __exit__(self, *exc: object) -> None:
-        send, _sending.current = _sending.current, None
-        for stats in send.failures:
-            MooncakeKVConnectorStats.record_failed_transfer(stats)
+        _sending.current = None
 
 
 class PDMooncakePromMetrics(KVConnectorPromMetrics):

@@ -29,11 +29,20 @@ class RegionsWorker:
     def _mla_layers(self, kv_caches: dict[str, torch.Tensor]) -> set[str]:
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-        specs = self._layer_specs
+        specs = getattr(self, "_layer_specs", None)
+        if specs is None:
+            # A worker from before PR 39596 (0.19.x) has no per-layer specs;
+            # this only labels the regions (report, metrics): an MLA latent
+            # cache is (blocks, block, latent) in every backend, a K/V one
+            # has more dimensions. Addressing never reads shapes.
+            return {n for n, c in kv_caches.items() if self.use_mla and c.dim() == 3}
         return {n for n in kv_caches if isinstance(specs.get(n), MLAAttentionSpec)}
 
     def _register_backport(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """PR 39596 registration for vLLM releases without it (see registration)."""
+        if not hasattr(self, "_physical_blocks_per_logical_kv_block"):
+            self._register_legacy(kv_caches)
+            return
         # Upstream addresses kernel blocks: register per kernel block.
         num_blocks = (
             self.kv_cache_config.num_blocks * self._physical_blocks_per_logical_kv_block
@@ -42,6 +51,43 @@ class RegionsWorker:
             kv_caches, self._mla_layers(kv_caches), num_blocks
         )
         self._apply_plan(plan, kv_caches, num_blocks)
+        if self.engine.batch_register_memory(plan.ptrs, plan.lens) != 0:
+            raise RuntimeError("Mooncake batch memory registration failed.")
+        if not self.is_kv_consumer:
+            self._start_sender_listener()
+
+    def _register_legacy(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """The backport on a worker from before PR 39596 (vLLM 0.19.x): what
+        its register_kv_caches stores (fixes.LEGACY_BACKPORT_SETS), without
+        its ``cache.shape[-2 if use_mla else -3] == block_size`` assertion,
+        which fails for a GQA draft beside an MLA target (and for any CPU
+        K/V cache: shape[-3] is its head count there). Such a worker
+        addresses the configured block size, one block per tensor row, so
+        every tensor must hold the same number of blocks."""
+        if getattr(self.kv_topo, "split_k_and_v", False):
+            raise registration.KVLayoutError(
+                "the registration backport needs one tensor per layer; this "
+                "attention backend keeps K and V apart"
+            )
+        rows = {cache.shape[0] for cache in kv_caches.values()}
+        if len(rows) != 1:
+            raise registration.KVLayoutError(
+                f"KV cache tensors hold different numbers of blocks: {sorted(rows)}"
+            )
+        (num_blocks,) = rows
+        plan = registration.plan_registration(
+            kv_caches, self._mla_layers(kv_caches), num_blocks
+        )
+        # One entry per registered tensor, as upstream 0.19 keeps them.
+        block_len: dict[int, int] = {}
+        for region in plan.regions:
+            block_len.setdefault(region.base_addr, region.block_len)
+        self.num_blocks = num_blocks
+        self.kv_caches_base_addr = list(plan.ptrs)
+        self.seen_base_addresses = list(plan.ptrs)
+        self.block_len_per_layer = [block_len[ptr] for ptr in plan.ptrs]
+        self.device_kv_caches = kv_caches
+        self._legacy_regions = plan.regions
         if self.engine.batch_register_memory(plan.ptrs, plan.lens) != 0:
             raise RuntimeError("Mooncake batch memory registration failed.")
         if not self.is_kv_consumer:
@@ -98,6 +144,9 @@ class RegionsWorker:
     def _describe_regions(
         self, kv_caches: dict[str, torch.Tensor]
     ) -> list[registration.Region]:
+        legacy = getattr(self, "_legacy_regions", None)
+        if legacy is not None:  # registered by _register_legacy
+            return list(legacy)
         mla = self._mla_layers(kv_caches)
         kv_lens = self.kv_block_len_per_layer
         names = self.registered_layer_names
@@ -121,6 +170,8 @@ class RegionsWorker:
     def _region_map(self) -> RegionMap:
         num_blocks = (
             self.kv_cache_config.num_blocks * self._physical_blocks_per_logical_kv_block
+            if hasattr(self, "_physical_blocks_per_logical_kv_block")
+            else self.num_blocks  # before PR 39596: blocks are tensor rows
         )
         return RegionMap(
             [
