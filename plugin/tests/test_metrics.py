@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +20,10 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.parser import text_string_to_metric_families
+from scripted_engine import ScriptedEngine
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+    mooncake_connector as upstream,
+)
 
 from conftest import STALL_S
 from pd_mooncake import connector, metrics
@@ -155,39 +158,26 @@ def test_a_coalesced_descriptor_is_split_across_interleaved_layers() -> None:
     ]
 
 
-# --- retried attempts and the failure record -----------------------------------
-# A Mooncake TCP stall (a batch failing at MC_TRANSFER_TIMEOUT while the peer
-# stops answering, kvcache-ai/Mooncake#4209 family) cannot be produced on
+# --- resent stalls and the failure record ---------------------------------------
+# A Mooncake TCP stall (both peers stop reading their sockets until the next
+# submission, kvcache-ai/Mooncake#4209 family) cannot be produced on
 # demand between two real engines, so the engine is scripted; the worker's
-# retry loop, upstream's _send_blocks, the stats and the scrape are the real ones.
+# _send_blocks, stall_guard, the stats and the scrape are the real ones.
 
 UPSTREAM_LOGGER = (
     "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
 )
+PLUGIN_LOGGER = "vllm.pd_mooncake"
 
 
-class ScriptedSessions:
-    """Each remote session's results in order: (status, seconds it takes)."""
+class OnLine(logging.Handler):
+    """Runs ``action`` in the sending thread when a log line starts with
+    ``prefix``: the plugin's stall line comes right before the resend, i.e.
+    between a send's two rounds."""
 
-    def __init__(self, scripts: dict[str, list[tuple[int, float]]]) -> None:
-        self.scripts = {session: list(steps) for session, steps in scripts.items()}
-        self.lock = threading.Lock()
-
-    def batch_transfer_sync_write(self, session: str, *args: object) -> int:
-        with self.lock:
-            status, seconds = self.scripts[session].pop(0)
-        time.sleep(seconds)
-        return status
-
-
-class OnUpstreamFailure(logging.Handler):
-    """Runs ``action`` in the sending thread right after upstream recorded a
-    failed transfer (its warning follows ``record_failed_transfer``), i.e.
-    before the plugin's retry loop has decided anything."""
-
-    def __init__(self, session: str, action: Callable[[], None]) -> None:
+    def __init__(self, prefix: str, action: Callable[[], None]) -> None:
         super().__init__(logging.WARNING)
-        self.session, self.action = session, action
+        self.prefix, self.action = prefix, action
 
     def handle(self, record: logging.LogRecord) -> bool:
         # Without the handler's lock: the action lets another sender log.
@@ -195,24 +185,53 @@ class OnUpstreamFailure(logging.Handler):
         return True
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().startswith(f"Sending to {self.session} failed"):
+        if record.getMessage().startswith(self.prefix):
             self.action()
 
 
 @contextlib.contextmanager
-def on_upstream_failure(session: str, action: Callable[[], None]) -> Iterator[None]:
-    handler = OnUpstreamFailure(session, action)
-    logging.getLogger(UPSTREAM_LOGGER).addHandler(handler)
+def on_line(logger: str, prefix: str, action: Callable[[], None]) -> Iterator[None]:
+    handler = OnLine(prefix, action)
+    logging.getLogger(logger).addHandler(handler)
     try:
         yield
     finally:
-        logging.getLogger(UPSTREAM_LOGGER).removeHandler(handler)
+        logging.getLogger(logger).removeHandler(handler)
+
+
+class ScriptedSessions:
+    """A ScriptedEngine per remote session, batch ids kept apart."""
+
+    def __init__(self, scripts: dict[str, list[tuple[int, float]]]) -> None:
+        self.engines = {name: ScriptedEngine(steps) for name, steps in scripts.items()}
+        self.ids: dict[int, tuple[ScriptedEngine, int]] = {}
+        self.lock = threading.Lock()
+
+    def transfer_submit_write(self, session: str, *args: int) -> int:
+        engine = self.engines[session]
+        inner = engine.transfer_submit_write(session, *args)
+        with self.lock:
+            batch_id = len(self.ids) + 1
+            self.ids[batch_id] = (engine, inner)
+        return batch_id
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        engine, inner = self.ids[batch_id]
+        return engine.transfer_check_status(inner)
+
+    def batch_transfer_sync_write(self, session: str, *args: Any) -> int:
+        return self.engines[session].batch_transfer_sync_write(*args)
+
+
+def on_stall(session: str, action: Callable[[], None]) -> Any:
+    return on_line(PLUGIN_LOGGER, f"PD Mooncake: send to {session} stalled", action)
 
 
 def sender(scripts: dict[str, list[tuple[int, float]]]) -> Any:
     worker = object.__new__(connector.PDMooncakeConnectorWorker)
     worker.engine = ScriptedSessions(scripts)
     worker.xfer_stats = metrics.PDMooncakeStats()
+    worker.stall_s = STALL_S
     # What shutdown() (run by __del__) touches.
     worker.async_zmq_ctx = zmq.asyncio.Context()
     worker.receiver_loop = asyncio.new_event_loop()
@@ -240,9 +259,10 @@ def totals(scrapes: list[dict]) -> dict[str, int]:
 def test_a_scrape_between_attempts_never_sees_the_retried_attempt_fail() -> None:
     worker = sender({"a": [(-1, STALL_S), (0, 0.0)]})
     scrapes: list[dict] = []
-    with on_upstream_failure("a", lambda: scrape(worker, scrapes)):
+    with on_stall("a", lambda: scrape(worker, scrapes)):
         assert send(worker, "a") == 0
     scrape(worker, scrapes)
+    assert not scrapes[0].get("num_failed_transfers")
     assert totals(scrapes) == {
         "transfer_duration": 1,
         "num_failed_transfers": 0,
@@ -263,7 +283,7 @@ def test_concurrent_senders_keep_their_own_outcome() -> None:
         other.join(timeout=10)
         scrape(worker, scrapes)
 
-    with on_upstream_failure("a", b_fails_then_scrape):
+    with on_stall("a", b_fails_then_scrape):
         assert send(worker, "a") == 0
     scrape(worker, scrapes)
     assert scrapes[0]["num_failed_transfers"] == [1]
@@ -275,27 +295,18 @@ def test_concurrent_senders_keep_their_own_outcome() -> None:
 
 
 @pytest.mark.usefixtures("short_stalls")
-def test_negative_control_the_scrape_catches_a_failure_recorded_then_taken_back() -> (
-    None
-):
-    """The detector: stats that record every attempt's failure and take it
-    back on retry (the pre-fix design) are caught by the scrape."""
-
-    class RecordThenPop(metrics.PDMooncakeStats):
-        def record_failed_transfer(self) -> None:
-            with self._lock:
-                self.data["num_failed_transfers"].append(1)
-
-        def record_retry(self) -> None:
-            with self._lock:
-                if self.data["num_failed_transfers"]:
-                    self.data["num_failed_transfers"].pop()
-                self.data[metrics.RETRIED].append(1)
-
-    worker = sender({"a": [(-1, STALL_S), (0, 0.0)]})
-    worker.xfer_stats = RecordThenPop()
+def test_negative_control_the_scrape_catches_a_stalled_attempts_failure() -> None:
+    """The detector: upstream's send records a stalled attempt as failed, and
+    a scrape right after it (before any retry could take it back) sees it."""
+    worker = sender({"a": [(-1, STALL_S)]})
     scrapes: list[dict] = []
-    with on_upstream_failure("a", lambda: scrape(worker, scrapes)):
-        assert send(worker, "a") == 0
-    scrape(worker, scrapes)
-    assert totals(scrapes)["num_failed_transfers"] == 1
+    with on_line(
+        UPSTREAM_LOGGER, "Sending to a failed", lambda: scrape(worker, scrapes)
+    ):
+        assert (
+            upstream.MooncakeConnectorWorker._send_blocks(
+                worker, "a", [4096], [0], [4096]
+            )
+            == -1
+        )
+    assert scrapes[0]["num_failed_transfers"] == [1]

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import zmq
+from scripted_engine import ScriptedEngine
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
@@ -53,6 +54,7 @@ def prefill_connector(guarded: bool) -> PDMooncakeConnector:
     connector.connector_worker = None
     connector.transfer_guard = reliability.TransferIdGuard() if guarded else None
     connector.randomized_ids = True
+    connector.sibling_ids = True
     return connector
 
 
@@ -488,29 +490,13 @@ def test_liveness_interval_is_validated() -> None:
 # --- a stalled send is sent again ---------------------------------------------------
 
 
-class ScriptedEngine:
-    """Stands in for the TransferEngine: a Mooncake TCP stall (a batch failed
-    at MC_TRANSFER_TIMEOUT while the peer stopped answering, seen in CI;
-    kvcache-ai/Mooncake#4209 family) cannot be produced on demand between
-    two real engines. Each result is (status, seconds it takes)."""
-
-    def __init__(self, results: list[tuple[int, float]]) -> None:
-        self.results = list(results)
-        self.calls = 0
-
-    def batch_transfer_sync_write(self, *args: Any) -> int:
-        self.calls += 1
-        status, seconds = self.results.pop(0) if self.results else (-1, STALL_S)
-        time.sleep(seconds)
-        return status
-
-
 def sending_worker(results: list[tuple[int, float]]) -> PDMooncakeConnectorWorker:
     from pd_mooncake.metrics import PDMooncakeStats
 
     worker = object.__new__(PDMooncakeConnectorWorker)
     worker.engine = ScriptedEngine(results)
     worker.xfer_stats = PDMooncakeStats()
+    worker.stall_s = STALL_S
     return worker
 
 
@@ -522,7 +508,7 @@ def send(worker: Any, sender: Any) -> int:
 def test_a_stalled_send_is_sent_again_until_it_goes_through() -> None:
     worker = sending_worker([(-1, STALL_S), (-1, STALL_S), (0, 0.0)])
     assert send(worker, PDMooncakeConnectorWorker._send_blocks) == 0
-    assert worker.engine.calls == 3
+    assert worker.engine.rounds == 3
     data = worker.xfer_stats.data
     assert len(data["transfer_duration"]) == 1
     # Failed counts transfers that stay failed; these were sent again.
@@ -550,7 +536,7 @@ def test_a_fast_failure_is_not_retried() -> None:
     """A peer that is gone refuses at once: not a stall, no retry."""
     worker = sending_worker([(-1, 0.0), (0, 0.0)])
     assert send(worker, PDMooncakeConnectorWorker._send_blocks) == -1
-    assert worker.engine.calls == 1
+    assert worker.engine.rounds == 1
     assert worker.xfer_stats.data["num_failed_transfers"] == [1]
 
 
@@ -562,6 +548,6 @@ def test_retries_end_with_their_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     assert send(worker, PDMooncakeConnectorWorker._send_blocks) == -1
     assert time.monotonic() - start < 10 * STALL_S
     data = worker.xfer_stats.data
-    assert 2 <= worker.engine.calls <= 6
+    assert 2 <= worker.engine.rounds <= 6
     assert len(data["num_failed_transfers"]) == 1
-    assert len(data["num_retried_transfers"]) == worker.engine.calls - 1
+    assert len(data["num_retried_transfers"]) == worker.engine.rounds - 1

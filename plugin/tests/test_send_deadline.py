@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import multiprocessing as mp
 import os
 import signal
@@ -25,7 +26,7 @@ import yaml
 
 from conftest import RecordingEngine
 from pd_mooncake import connector as connector_module
-from pd_mooncake import reliability
+from pd_mooncake import send_deadline
 from pd_mooncake.connector import PDMooncakeConnectorWorker
 from pd_mooncake.metrics import PDMooncakeStats
 
@@ -87,20 +88,31 @@ def decode() -> Any:
 
 
 class HealingEngine:
-    """The real engine behind a stall that lasts until ``heals_at``: each
-    attempt before it takes ``attempt_s`` and fails, as a Mooncake TCP stall
-    does (kvcache-ai/Mooncake#4209 family); later attempts really write."""
+    """The real engine behind a stall that lasts until ``heals_at``:
+    submissions before it never complete, as in a Mooncake TCP stall
+    (kvcache-ai/Mooncake#4209 family); later ones really write. ``starts``:
+    when each round of submissions (the first and every resend) began."""
 
-    def __init__(self, real: RecordingEngine, attempt_s: float, heals_at: float):
-        self.real, self.attempt_s, self.heals_at = real, attempt_s, heals_at
+    def __init__(self, real: RecordingEngine, heals_at: float) -> None:
+        self.real, self.heals_at = real, heals_at
         self.starts: list[float] = []
+        self._stalled = itertools.count(-1, -1)
+        self._polled = True
 
-    def batch_transfer_sync_write(self, *args: Any) -> int:
-        self.starts.append(time.monotonic())
-        if time.monotonic() < self.heals_at:
-            time.sleep(self.attempt_s)
-            return -1
-        return self.real.engine.batch_transfer_sync_write(*args)
+    def transfer_submit_write(self, *args: Any) -> int:
+        now = time.monotonic()
+        if self._polled:
+            self.starts.append(now)
+            self._polled = False
+        if now < self.heals_at:
+            return next(self._stalled)
+        return self.real.engine.transfer_submit_write(*args)
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        self._polled = True
+        if batch_id < 0:
+            return 0
+        return self.real.engine.transfer_check_status(batch_id)
 
 
 ATTEMPT_S = 1.0
@@ -128,20 +140,21 @@ def late_write_scenario(
     source = torch.full((BLOCK,), SENT, dtype=torch.uint8)
     real.batch_register_memory([source.data_ptr()], [BLOCK])
     arrival = time.monotonic()
-    engine = HealingEngine(real, ATTEMPT_S, heals_at=arrival + DECODE_WAIT_S + 0.3)
-    timeouts = reliability.SendTimeouts(
+    engine = HealingEngine(real, heals_at=arrival + DECODE_WAIT_S + 0.3)
+    timeouts = send_deadline.SendTimeouts(
         prefill_abort_s=0.0,
         decode_wait_s=DECODE_WAIT_S,
         attempt_s=ATTEMPT_S,
         margin_s=0.5,
     )
     worker = prefill_worker(engine, timeouts)
+    worker.stall_s = ATTEMPT_S
 
     def send() -> int:
         # As send_kv_to_decode sets it for the pull this send answers; today's
         # code (the control) has no clock.
         if deadline:
-            reliability.PULL_CLOCK.set(reliability.PullClock(arrival))
+            send_deadline.PULL_CLOCK.set(send_deadline.PullClock(arrival))
         return worker._send_blocks(
             decode.session, [source.data_ptr()], [decode.base], [BLOCK]
         )
@@ -248,7 +261,7 @@ WORKERS = 2
 def test_a_silent_decode_does_not_delay_sends_to_a_healthy_one(
     two_decodes: Any,
 ) -> None:
-    took = healthy_send_delay(reliability.SessionExecutor(WORKERS), *two_decodes)
+    took = healthy_send_delay(send_deadline.SessionExecutor(WORKERS), *two_decodes)
     print(f"per-decode threads: healthy send took {took:.3f}s")
     assert took < 1.0
 
@@ -280,7 +293,7 @@ def fault_stack_env() -> dict[str, dict[str, str]]:
 
 
 def test_production_defaults_pass_the_order_check() -> None:
-    timeouts = reliability.SendTimeouts.from_env({})
+    timeouts = send_deadline.SendTimeouts.from_env({})
     timeouts.check()
     assert (timeouts.prefill_abort_s, timeouts.decode_wait_s) == (480, 540)
 
@@ -289,22 +302,22 @@ def test_the_fault_stack_passes_the_order_check() -> None:
     env = fault_stack_env()
     prefill, decode = env["prefill"], env["decode"]
     # Prefill is told decode's value; it must be decode's.
-    assert prefill[reliability.DECODE_ABORT_ENV] == decode[reliability.ABORT_ENV], (
-        f"{reliability.DECODE_ABORT_ENV} on prefill differs from decode's"
+    assert prefill[send_deadline.DECODE_ABORT_ENV] == decode[send_deadline.ABORT_ENV], (
+        f"{send_deadline.DECODE_ABORT_ENV} on prefill differs from decode's"
     )
-    reliability.SendTimeouts.from_env(prefill).check()
+    send_deadline.SendTimeouts.from_env(prefill).check()
 
 
 def test_negative_control_the_old_fault_values_fail_naming_the_variables() -> None:
     """configs/faults.yaml before: prefill 120 s, decode 60 s (a 120 s wait)."""
-    env = {**fault_stack_env()["prefill"], reliability.DECODE_ABORT_ENV: "60"}
-    with pytest.raises(reliability.TimeoutOrderError) as failure:
-        reliability.SendTimeouts.from_env(env).check()
+    env = {**fault_stack_env()["prefill"], send_deadline.DECODE_ABORT_ENV: "60"}
+    with pytest.raises(send_deadline.TimeoutOrderError) as failure:
+        send_deadline.SendTimeouts.from_env(env).check()
     message = str(failure.value)
     print(message)
     for name in (
-        reliability.ABORT_ENV,
-        reliability.DECODE_ABORT_ENV,
+        send_deadline.ABORT_ENV,
+        send_deadline.DECODE_ABORT_ENV,
         "MC_TRANSFER_TIMEOUT",
     ):
         assert name in message

@@ -26,6 +26,7 @@ from pd_mooncake import (
     fixes,
     registration,
     reliability,
+    send_deadline,
     stall_guard,
     tcp_limits,
 )
@@ -40,7 +41,7 @@ from pd_mooncake.worker_regions import RegionsWorker
 logger = logging.getLogger("vllm.pd_mooncake")
 
 # Prefill: a stalled transfer's pending descriptors are sent again while they
-# could still end (reliability.SendTimeouts.attempt_s, Mooncake's own slice
+# could still end (send_deadline.SendTimeouts.attempt_s, Mooncake's own slice
 # timeouts) within this many seconds of the first submission (_send_blocks).
 # The hard bound is decode's wait for the pull (SendTimeouts.may_start): no
 # resend starts that could still be writing when decode gives up.
@@ -138,12 +139,12 @@ class PDMooncakeConnectorWorker(
     def _bound_sends(self, env: Any) -> None:
         """Prefill: fail start-up on timeouts that let a send outlive decode's
         wait, and give sends the pull's clock and per-decode threads."""
-        self.send_timeouts = reliability.SendTimeouts.from_env(env)
+        self.send_timeouts = send_deadline.SendTimeouts.from_env(env)
         self.send_timeouts.check()
         # Still empty: the listener starts in register_kv_caches.
-        self.sender_worker_queue = reliability.StampedQueue()
+        self.sender_worker_queue = send_deadline.StampedQueue()
         shared = self._sender_executor
-        self._sender_executor = reliability.SessionExecutor(
+        self._sender_executor = send_deadline.SessionExecutor(
             self.num_sender_workers, initializer=self._bind_sender_thread_device
         )
         shared.shutdown(wait=False)
@@ -203,10 +204,12 @@ class PDMooncakeConnectorWorker(
         """Upstream's send (one sync Mooncake batch, its stats and log line),
         with the write through stall_guard: a stall costs ``stall_s``, not
         Mooncake's whole timeout, and resends only what is pending."""
-        timeouts: reliability.SendTimeouts | None = getattr(self, "send_timeouts", None)
+        timeouts: send_deadline.SendTimeouts | None = getattr(
+            self, "send_timeouts", None
+        )
         # Set by send_kv_to_decode for the pull this send answers; None when
         # called outside one (then only the budget bounds resends).
-        clock = reliability.PULL_CLOCK.get()
+        clock = send_deadline.PULL_CLOCK.get()
         attempt_s = timeouts.attempt_s if timeouts else _transfer_timeout()
 
         def too_late(now: float) -> bool:
@@ -290,16 +293,16 @@ class PDMooncakeConnectorWorker(
             self.finished_sending_reqs.add(self.reqs_need_send.pop(key).p_req_id)
         # Decode's clock for this pull started when it arrived (StampedQueue),
         # and restarts at every answer (StampingSocket): _send_blocks reads it.
-        arrival = reliability.PULL_ARRIVAL.get() or time.monotonic()
-        clock = reliability.PullClock(arrival)
-        token = reliability.PULL_CLOCK.set(clock)
+        arrival = send_deadline.PULL_ARRIVAL.get() or time.monotonic()
+        clock = send_deadline.PullClock(arrival)
+        token = send_deadline.PULL_CLOCK.set(clock)
         try:
             await super().send_kv_to_decode(
-                identity, reliability.StampingSocket(sock, clock), meta
+                identity, send_deadline.StampingSocket(sock, clock), meta
             )
         finally:
-            reliability.PULL_CLOCK.reset(token)
-            reliability.PULL_ARRIVAL.set(None)
+            send_deadline.PULL_CLOCK.reset(token)
+            send_deadline.PULL_ARRIVAL.set(None)
 
     async def record_send_reqs(self, metadata: Any) -> None:
         # Upstream pops "not processed" ids without a default (see reliability).

@@ -35,6 +35,9 @@ PLUGIN_KEYS: dict[str, type | tuple[type, ...]] = {
     # Both roles: prefill digests the KV it sends, decode verifies what
     # landed before the request runs (pd_mooncake.checksum). Both must agree.
     "kv_checksum": bool,
+    # Prefill: seconds without a descriptor of a send completing before the
+    # pending ones are sent again (pd_mooncake.stall_guard); > 0.
+    "send_stall_s": (int, float),
 }
 KNOWN_KEYS = {**UPSTREAM_KEYS, **PLUGIN_KEYS}
 
@@ -78,6 +81,12 @@ def validate(extra: Mapping[str, Any]) -> None:
         raise ExtraConfigError(
             "kv_connector_extra_config['prefill_liveness_interval_s'] must be a "
             f"number >= 0, got {interval!r}"
+        )
+    stall = extra.get("send_stall_s", 1)
+    if isinstance(stall, bool) or stall <= 0:
+        raise ExtraConfigError(
+            "kv_connector_extra_config['send_stall_s'] must be a number > 0, "
+            f"got {stall!r}"
         )
     workers = extra.get("num_workers", 1)
     if workers < 1:

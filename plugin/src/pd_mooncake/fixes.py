@@ -210,7 +210,7 @@ FIXES: tuple[Fix, ...] = (
         lambda extra, producer, consumer: producer,
     ),
     Fix(
-        # reliability.SendTimeouts / StampedQueue / SessionExecutor: no send
+        # send_deadline.SendTimeouts / StampedQueue / SessionExecutor: no send
         # attempt outlives decode's wait, one silent decode holds no thread a
         # healthy decode needs.
         "send_deadline",

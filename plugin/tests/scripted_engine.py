@@ -1,0 +1,88 @@
+"""A TransferEngine stand-in whose sends follow a script, for the stall tests.
+
+A Mooncake TCP stall (both peers stop reading what is already in their
+sockets until the next submission; kvcache-ai/Mooncake#4209 family, seen in
+CI and on the twin) cannot be produced on demand between two real engines,
+so these tests script it. A script is a list of rounds, each
+``(status, seconds)``: 0 completes every descriptor of the round after
+``seconds``; -1 with 0 seconds fails them at once (a peer that is gone);
+-1 with more seconds never completes them (a stall, until a new round). A
+round is the run of submissions between two polls: stall_guard submits all
+pending descriptors at once. The same script drives upstream's sync call
+(``batch_transfer_sync_write``: the round's status after its seconds), so a
+negative control can run upstream's send against it. With ``real`` set, a
+completed descriptor is really written by that engine (sync, when it is
+polled done).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+from pd_mooncake import stall_guard
+
+NEVER = float("inf")
+# Past the script every round stalls; upstream's sync call then takes this.
+STALL_S = 0.05
+
+
+class ScriptedEngine:
+    def __init__(self, rounds: list[tuple[int, float]], real: Any = None) -> None:
+        self.script = list(rounds)
+        self.real = real
+        self.rounds = 0
+        self.round_starts: list[float] = []
+        self._ids = itertools.count(1)
+        self._due: dict[int, tuple[int, float, tuple[Any, ...]]] = {}
+        self._polled_since_submit = True
+        self.lock = threading.Lock()
+
+    def _next_round(self) -> tuple[int, float]:
+        self.rounds += 1
+        self.round_starts.append(time.monotonic())
+        return self.script.pop(0) if self.script else (-1, STALL_S)
+
+    def transfer_submit_write(self, session: str, src: int, dst: int, n: int) -> int:
+        with self.lock:
+            if self._polled_since_submit:
+                self._round = self._next_round()
+                self._polled_since_submit = False
+            status, seconds = self._round
+            batch_id = next(self._ids)
+            if status == 0:
+                self._due[batch_id] = (
+                    stall_guard.DONE,
+                    time.monotonic() + seconds,
+                    (session, src, dst, n),
+                )
+            elif seconds == 0:
+                self._due[batch_id] = (stall_guard.FAILED, time.monotonic(), ())
+            else:
+                self._due[batch_id] = (stall_guard.DONE, NEVER, ())
+            return batch_id
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        with self.lock:
+            self._polled_since_submit = True
+            status, due, write = self._due[batch_id]
+            if time.monotonic() < due:
+                return stall_guard.RUNNING
+            del self._due[batch_id]
+        if write and self.real is not None:
+            session, src, dst, n = write
+            assert self.real.transfer_sync_write(session, src, dst, n) == 0
+        return status
+
+    def pending(self) -> int:
+        """Submissions not settled yet (stalled ones included)."""
+        with self.lock:
+            return len(self._due)
+
+    def batch_transfer_sync_write(self, *args: Any) -> int:
+        with self.lock:
+            status, seconds = self._next_round()
+        time.sleep(seconds)
+        return status
