@@ -219,6 +219,11 @@ def server_env(role: str, target_name: str, bootstrap_port: int) -> dict[str, st
     return env
 
 
+def router_flags() -> dict[str, Any]:
+    """configs/router.yaml: the flags every router gets."""
+    return _load(CONFIGS / "router.yaml")
+
+
 def router_args(
     prefill_url: str,
     bootstrap_port: int,
@@ -228,7 +233,7 @@ def router_args(
     metrics_port: int | None = None,
 ) -> list[str]:
     """vllm-router's flags; each URL may be a comma-separated list of replicas."""
-    flags = _load(CONFIGS / "router.yaml")
+    flags = router_flags()
     metrics = ports().router_metrics if metrics_port is None else metrics_port
     argv = [*render(flags, {}), "--host", host, "--port", str(port)]
     # Its exporter binds a fixed port (default 29000): two routers on one host

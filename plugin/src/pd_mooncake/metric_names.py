@@ -36,7 +36,7 @@ COUNTERS = (
     (
         RETRIED_TRANSFERS,
         "num_retried_transfers",
-        "Mooncake KV transfers that failed and were sent again.",
+        "Mooncake KV sends that stalled and had their pending descriptors sent again.",
     ),
     (FAILED_RECVS, "num_failed_recvs", "Failed Mooncake KV receives (decode)."),
     (EXPIRED, "num_kv_expired_reqs", "Requests whose KV expired unsent."),

@@ -1,0 +1,158 @@
+"""Why vllm-router dropped the decode during a Mooncake stall, and that the
+configured router keeps it.
+
+The real vllm-router with configs/router.yaml's flags, in front of stub
+prefill, decode and bootstrap servers (aiohttp; no vLLM). A decode whose
+``/health`` answers later than the router's health-check timeout is marked
+unhealthy after three checks, and every request then gets ``503 No available
+workers: 1 prefill, 0 decode``: the message CI and the bench saw during
+stalls. Measured on the twin under the bench's load, decode's ``/health``
+took up to 3.6 s (API server starved of the 2 cores), against vllm-router's
+5 s default timeout; the configured timeout leaves room for that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from aiohttp import web
+
+from pdstack import config, supervisor
+from pdstack.supervisor import HOST, free_port
+
+MODEL = "pd-model"
+# Longer than vllm-router's default timeout (5 s), shorter than the
+# configured one.
+HEALTH_DELAY_S = 6.0
+# The control: the default timeout, checked every second (drops in ~10 s).
+CONTROL_FLAGS = [
+    "--health-check-timeout-secs",
+    "5",
+    "--health-check-interval-secs",
+    "1",
+]
+# Three checks at the configured 5 s interval, and a margin.
+WATCH_S = 25.0
+
+
+class Stubs:
+    """Prefill, decode and bootstrap stubs; decode's /health waits ``delay_s``."""
+
+    def __init__(self) -> None:
+        self.ports = {role: free_port() for role in ("prefill", "decode", "bootstrap")}
+        self.delay_s = 0.0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+        assert self._ready.wait(10), "stub servers did not start"
+
+    def _app(self, role: str) -> web.Application:
+        async def completions(request: web.Request) -> web.Response:
+            await request.read()
+            choice = {"index": 0, "text": "x", "finish_reason": "length"}
+            return web.json_response(
+                {
+                    "id": "stub",
+                    "object": "text_completion",
+                    "model": MODEL,
+                    "choices": [choice],
+                    "kv_transfer_params": None,
+                }
+            )
+
+        async def health(request: web.Request) -> web.Response:
+            if role == "decode":
+                await asyncio.sleep(self.delay_s)
+            return web.Response()
+
+        async def query(request: web.Request) -> web.Response:
+            worker = {"0": {"0": "tcp://127.0.0.1:1"}}
+            return web.json_response(
+                {"0": {"engine_id": "stub", "worker_addr": worker}}
+            )
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_get("/health", health)
+        app.router.add_get("/query", query)
+        return app
+
+    def _run(self) -> None:
+        async def serve() -> None:
+            for role, port in self.ports.items():
+                runner = web.AppRunner(self._app(role))
+                await runner.setup()
+                await web.TCPSite(runner, HOST, port).start()
+            self._ready.set()
+            await asyncio.Event().wait()
+
+        self._loop.run_until_complete(serve())
+
+    def urls(self) -> supervisor.Urls:
+        return supervisor.Urls(
+            router=f"http://{HOST}:{free_port()}",
+            prefill=f"http://{HOST}:{self.ports['prefill']}",
+            decode=f"http://{HOST}:{self.ports['decode']}",
+            bootstrap_port=self.ports["bootstrap"],
+        )
+
+
+@pytest.fixture(scope="module")
+def stubs() -> Stubs:
+    return Stubs()
+
+
+def router(stubs: Stubs, tmp_path: Path, extra: list[str]) -> Iterator[str]:
+    urls = stubs.urls()
+    argv = supervisor.router_command(urls, extra, metrics_port=free_port())
+    procs = supervisor.Processes(tmp_path, "router.json", lambda line: None)
+    procs.launch("router", argv, {}, urls.router)
+    try:
+        procs.wait_healthy("router", 60)
+        yield urls.router
+    finally:
+        procs.stop()
+
+
+def answers_while_health_is_slow(
+    stubs: Stubs, url: str, until_dropped: bool = False
+) -> list[str]:
+    """Requests once a second for WATCH_S while decode's /health is slow."""
+    stubs.delay_s = HEALTH_DELAY_S
+    seen: list[str] = []
+    try:
+        end = time.monotonic() + WATCH_S
+        while time.monotonic() < end:
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+            answer = requests.post(f"{url}/v1/completions", json=body, timeout=30)
+            seen.append(f"{answer.status_code} {answer.text[:60]}")
+            if until_dropped and answer.status_code == 503:
+                break
+            time.sleep(1.0)
+    finally:
+        stubs.delay_s = 0.0
+    return seen
+
+
+def test_the_configured_router_keeps_a_decode_whose_health_answers_late(
+    stubs: Stubs, tmp_path: Path
+) -> None:
+    timeout = float(config.router_flags().get("health-check-timeout-secs", 5))
+    assert timeout > HEALTH_DELAY_S, "vllm-router's health-check timeout"
+    for url in router(stubs, tmp_path, []):
+        seen = answers_while_health_is_slow(stubs, url)
+    assert seen and all(line.startswith("200") for line in seen), seen
+
+
+def test_negative_control_a_short_health_timeout_drops_the_decode(
+    stubs: Stubs, tmp_path: Path
+) -> None:
+    for url in router(stubs, tmp_path, CONTROL_FLAGS):
+        seen = answers_while_health_is_slow(stubs, url, until_dropped=True)
+    assert "503 No available workers: 1 prefill, 0 decode" in seen, seen
