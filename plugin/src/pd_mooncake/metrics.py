@@ -250,24 +250,21 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
             enabled.labels(*labels).set(int(bool(extra.get(checksum.KEY))))
 
     def _own_histograms(self, labelnames, per_engine_labelvalues) -> None:
-        self.transfer_time = create_metric_per_engine(
-            self._histogram_cls(
-                name=names.TRANSFER_TIME,
-                documentation="Duration of one Mooncake KV transfer.",
-                buckets=TIME_BUCKETS,
+        for attr, name, documentation, buckets in (
+            ("transfer_time", names.TRANSFER_TIME,
+             "Duration of one Mooncake KV transfer.", TIME_BUCKETS),
+            ("transfer_bytes", names.TRANSFER_SIZE,
+             "Bytes moved by one Mooncake KV transfer.", BYTES_BUCKETS),
+        ):  # fmt: skip
+            histogram = self._histogram_cls(
+                name=name,
+                documentation=documentation,
+                buckets=buckets,
                 labelnames=labelnames,
-            ),
-            per_engine_labelvalues,
-        )
-        self.transfer_bytes = create_metric_per_engine(
-            self._histogram_cls(
-                name=names.TRANSFER_SIZE,
-                documentation="Bytes moved by one Mooncake KV transfer.",
-                buckets=BYTES_BUCKETS,
-                labelnames=labelnames,
-            ),
-            per_engine_labelvalues,
-        )
+            )
+            setattr(
+                self, attr, create_metric_per_engine(histogram, per_engine_labelvalues)
+            )
 
     def _publish_kv_cache_info(self, vllm_config, labelnames, per_engine_labelvalues):
         """What a client needs to predict a transfer's bytes and that vLLM's
