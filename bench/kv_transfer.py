@@ -29,6 +29,7 @@ COUNTERS = {
     "seconds": m.TRANSFER_SECONDS,
     "descriptors": m.DESCRIPTORS,
     "failed_transfers": m.FAILED_TRANSFERS,
+    "retried_transfers": m.RETRIED_TRANSFERS,
     "failed_recvs": m.FAILED_RECVS,
     "expired": m.EXPIRED,
     "prompt_tokens": PROMPT_TOKENS,

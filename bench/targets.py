@@ -87,6 +87,29 @@ def _kv_share_target(pairs: Sequence[Pair]) -> Target:
     )
 
 
+def _stall_target(pairs: Sequence[Pair]) -> Target:
+    """A stalled send resent (pd_mooncake.stall_guard) anywhere in the sweep."""
+    name = "Mooncake stalls in the sweep (sends resent after no progress)"
+    measured = [p for p in pairs if p.kv_counters is not None]
+    if not measured:
+        return Target(name, "0", "not measured", None)
+    stalled = {
+        f"{p.input_len} tokens x {p.concurrency}": int(n)
+        for p in measured
+        if (n := (p.kv_counters or {}).get("retried_transfers", 0))
+    }
+    total = sum(stalled.values())
+    where = ", ".join(f"{level}: {n}" for level, n in stalled.items())
+    return Target(
+        name,
+        "0",
+        f"{total} in {len(measured)} P/D levels" + (f" ({where})" if where else ""),
+        total == 0,
+        "",
+        advice("Mooncake stalls") if total else "",
+    )
+
+
 def _interval(pair: Sequence[Any]) -> tuple[float, float] | None:
     low, high = pair
     if low is None or high is None or math.isnan(low) or math.isnan(high):
@@ -255,4 +278,5 @@ def judge(
         _engine_target(comparisons),
         _memory_target(memory),
         _checksum_target(checksum),
+        _stall_target(pairs),
     ]

@@ -317,7 +317,7 @@ def test_report_from_a_recorded_run(run_dir: Path) -> None:
     assert summary["layout_checks_ok"] is True
     assert "| 128 | 1 |" in text and "OK: " in text
     names = [t["name"] for t in summary["targets"]]
-    assert len(names) == 5 and any("Router" in n for n in names)
+    assert len(names) == 6 and any("Router" in n for n in names)
     png = run_dir / "report.png"
     try:
         import matplotlib  # noqa: F401  (requirements/bench.txt)
@@ -356,6 +356,13 @@ def test_targets_are_judged_by_their_numbers() -> None:
     engine = [te.Comparison(64 << 20, 0.9e9, 1.0e9, 5e9, None)]
     assert judge([], None, engine, None)[2].met is True
     assert all(t.met is None for t in judge([], None, [], None))
+    # Stalls: any resent send in the sweep misses, naming its level.
+    assert judge([fast], None, [], None)[5].met is True
+    stalled = levels.Pair(
+        4096, 1, level, None, {**counters(lens, seconds=0.4), "retried_transfers": 2}
+    )
+    verdict = judge([fast, stalled], None, [], None)[5]
+    assert verdict.met is False and "4096 tokens x 1: 2" in verdict.measured
 
 
 def router_met(real: list[float], stubs: list[float], stub_p50: float) -> bool | None:
