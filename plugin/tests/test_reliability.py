@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
 from vllm.v1.request import RequestStatus
 
 from conftest import BLOCK_SIZE, STALL_S, kv_cache_config, pull_worker, timed_pull
-from pd_mooncake import CONNECTOR_NAME, extra_config, reliability
+from pd_mooncake import CONNECTOR_NAME, extra_config, reliability, stall_guard
 from pd_mooncake import connector as connector_module
 from pd_mooncake.connector import PDMooncakeConnector, PDMooncakeConnectorWorker
 
@@ -551,3 +551,34 @@ def test_retries_end_with_their_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     assert 2 <= worker.engine.rounds <= 6
     assert len(data["num_failed_transfers"]) == 1
     assert len(data["num_retried_transfers"]) == worker.engine.rounds - 1
+
+
+def test_resends_back_off_while_nothing_completes() -> None:
+    """A send that never progresses is resent after 1, 2, 4, 8 s (stall_s
+    doubling), not every second: a host too loaded to answer gets a bounded
+    number of copies."""
+    now = [0.0]
+    resent_at: list[float] = []
+    engine = ScriptedEngine([])  # every round stalls
+
+    def sleep(seconds: float) -> None:
+        now[0] += max(seconds, 0.05)
+
+    outcome = stall_guard.write(
+        engine,
+        "127.0.0.1:1",
+        [4096],
+        [0],
+        [4096],
+        stall_s=1.0,
+        may_resend=lambda t: t < 20.0,
+        orphans=stall_guard.Orphans(),
+        on_resend=lambda pending: resent_at.append(now[0]),
+        clock=lambda: now[0],
+        sleep=sleep,
+    )
+    assert outcome.status == -1 and outcome.resends == len(resent_at)
+    gaps = [
+        round(b - a) for a, b in zip([0.0, *resent_at[:-1]], resent_at, strict=True)
+    ]
+    assert gaps == [1, 2, 4, 8], gaps

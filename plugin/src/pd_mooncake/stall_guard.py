@@ -12,7 +12,10 @@ the whole timeout, then the retry sent every block again.
 Here each descriptor is submitted on its own (``transfer_submit_write``) and
 polled (``transfer_check_status``) with a sleep between rounds. When no
 descriptor completes for ``stall_s`` the ones still pending are submitted
-again, which is what set the stalled lanes moving in the measurements; the
+again, which is what set the stalled lanes moving in the measurements. The
+wait doubles after each resend until a descriptor completes again, so a host
+too loaded to make progress (or a first connection, slow under load: seen
+once in CI) is not sent ever more copies of the same descriptors. The
 earlier submissions are kept and polled until Mooncake settles them, so their
 batch ids are freed and none of them is reported done twice. Whether a
 resend may start at all is the caller's decision (``may_resend``): it knows
@@ -103,7 +106,7 @@ def write(
     start = clock()
     descriptors = list(zip(src, dst, lengths, strict=True))
     pending = _submit(engine, session, descriptors, range(len(descriptors)), orphans)
-    resends, failed, progress = 0, False, start
+    resends, failed, progress, wait_s = 0, False, start, stall_s
     while pending:
         still: dict[int, int] = {}
         timed_out = False
@@ -112,7 +115,7 @@ def write(
             if status == RUNNING:
                 still[index] = batch_id
             elif status == DONE:
-                progress = clock()
+                progress, wait_s = clock(), stall_s
             elif status == FAILED:
                 failed = True
             else:  # TIMED_OUT: Mooncake gave up on the slice, id not freed.
@@ -120,7 +123,7 @@ def write(
         pending = still
         orphans.poll(engine)
         now = clock()
-        if not pending or (now - progress < stall_s and not timed_out):
+        if not pending or (now - progress < wait_s and not timed_out):
             if pending:
                 sleep(POLL_S)
             continue
@@ -129,7 +132,7 @@ def write(
             return Outcome(-1, resends, now - start)
         on_resend(len(pending))
         pending = _submit(engine, session, descriptors, pending, orphans)
-        resends, progress = resends + 1, now
+        resends, progress, wait_s = resends + 1, now, 2 * wait_s
     if pending is None:
         failed = True
     return Outcome(-1 if failed else 0, resends, clock() - start)
