@@ -14,6 +14,7 @@ took up to 3.6 s (API server starved of the 2 cores), against vllm-router's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -108,6 +109,7 @@ def stubs() -> Stubs:
     return Stubs()
 
 
+@contextlib.contextmanager
 def router(stubs: Stubs, tmp_path: Path, extra: list[str]) -> Iterator[str]:
     urls = stubs.urls()
     argv = supervisor.router_command(urls, extra, metrics_port=free_port())
@@ -145,7 +147,7 @@ def test_the_configured_router_keeps_a_decode_whose_health_answers_late(
 ) -> None:
     timeout = float(config.router_flags().get("health-check-timeout-secs", 5))
     assert timeout > HEALTH_DELAY_S, "vllm-router's health-check timeout"
-    for url in router(stubs, tmp_path, []):
+    with router(stubs, tmp_path, []) as url:
         seen = answers_while_health_is_slow(stubs, url)
     assert seen and all(line.startswith("200") for line in seen), seen
 
@@ -153,6 +155,6 @@ def test_the_configured_router_keeps_a_decode_whose_health_answers_late(
 def test_negative_control_a_short_health_timeout_drops_the_decode(
     stubs: Stubs, tmp_path: Path
 ) -> None:
-    for url in router(stubs, tmp_path, CONTROL_FLAGS):
+    with router(stubs, tmp_path, CONTROL_FLAGS) as url:
         seen = answers_while_health_is_slow(stubs, url, until_dropped=True)
     assert "503 No available workers: 1 prefill, 0 decode" in seen, seen

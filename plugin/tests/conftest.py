@@ -241,3 +241,18 @@ def short_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
     monkeypatch.setattr(connector, "MOONCAKE_TRANSFER_TIMEOUT_S", STALL_S)
+
+
+def assert_registered_by_byte_length(
+    worker: Any, engine: Any, mla: torch.Tensor, draft: torch.Tensor
+) -> None:
+    """The seed's expectation (PR 39596): each KV tensor registered as
+    (data_ptr, nbytes), its block length nbytes // its number of blocks."""
+    assert engine.registered == [
+        ([mla.data_ptr(), draft.data_ptr()], [mla.nbytes, draft.nbytes])
+    ]
+    assert worker.kv_caches_base_addr == [mla.data_ptr(), draft.data_ptr()]
+    assert worker.block_len_per_layer == [
+        mla.nbytes // mla.shape[0],
+        draft.nbytes // draft.shape[0],
+    ]

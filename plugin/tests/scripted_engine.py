@@ -30,19 +30,17 @@ STALL_S = 0.05
 
 
 class ScriptedEngine:
-    def __init__(self, rounds: list[tuple[int, float]], real: Any = None) -> None:
+    def __init__(self, rounds: list[tuple[int, float]]) -> None:
         self.script = list(rounds)
-        self.real = real
         self.rounds = 0
-        self.round_starts: list[float] = []
         self._ids = itertools.count(1)
-        self._due: dict[int, tuple[int, float, tuple[Any, ...]]] = {}
+        # Batch id: (status it settles with, when).
+        self._due: dict[int, tuple[int, float]] = {}
         self._polled_since_submit = True
         self.lock = threading.Lock()
 
     def _next_round(self) -> tuple[int, float]:
         self.rounds += 1
-        self.round_starts.append(time.monotonic())
         return self.script.pop(0) if self.script else (-1, STALL_S)
 
     def transfer_submit_write(self, session: str, src: int, dst: int, n: int) -> int:
@@ -53,33 +51,21 @@ class ScriptedEngine:
             status, seconds = self._round
             batch_id = next(self._ids)
             if status == 0:
-                self._due[batch_id] = (
-                    stall_guard.DONE,
-                    time.monotonic() + seconds,
-                    (session, src, dst, n),
-                )
+                self._due[batch_id] = (stall_guard.DONE, time.monotonic() + seconds)
             elif seconds == 0:
-                self._due[batch_id] = (stall_guard.FAILED, time.monotonic(), ())
+                self._due[batch_id] = (stall_guard.FAILED, time.monotonic())
             else:
-                self._due[batch_id] = (stall_guard.DONE, NEVER, ())
+                self._due[batch_id] = (stall_guard.DONE, NEVER)
             return batch_id
 
     def transfer_check_status(self, batch_id: int) -> int:
         with self.lock:
             self._polled_since_submit = True
-            status, due, write = self._due[batch_id]
+            status, due = self._due[batch_id]
             if time.monotonic() < due:
                 return stall_guard.RUNNING
             del self._due[batch_id]
-        if write and self.real is not None:
-            session, src, dst, n = write
-            assert self.real.transfer_sync_write(session, src, dst, n) == 0
         return status
-
-    def pending(self) -> int:
-        """Submissions not settled yet (stalled ones included)."""
-        with self.lock:
-            return len(self._due)
 
     def batch_transfer_sync_write(self, *args: Any) -> int:
         with self.lock:

@@ -22,6 +22,7 @@ from conftest import (
     MLA_LAYER,
     NUM_BLOCKS,
     REGISTRATION_STATE,
+    assert_registered_by_byte_length,
     make_worker,
     mixed_caches,
 )
@@ -35,14 +36,7 @@ def test_mixed_shapes_register_by_byte_length(engine) -> None:
     worker = make_worker(PDMooncakeConnectorWorker, engine, backport=True)
     worker.register_kv_caches(caches)
 
-    assert engine.registered == [
-        ([mla.data_ptr(), draft.data_ptr()], [mla.nbytes, draft.nbytes])
-    ]
-    assert worker.kv_caches_base_addr == [mla.data_ptr(), draft.data_ptr()]
-    assert worker.block_len_per_layer == [
-        mla.nbytes // mla.shape[0],
-        draft.nbytes // draft.shape[0],
-    ]
+    assert_registered_by_byte_length(worker, engine, mla, draft)
     print(f"registered {engine.registered}, block_lens {worker.block_len_per_layer}")
 
 

@@ -42,6 +42,7 @@ if registration.upstream_has_fix(upstream.MooncakeConnectorWorker):
     )
 
 from bench.loopback import Peer, tcp_engine
+from conftest import assert_registered_by_byte_length
 from pd_mooncake.connector import PDMooncakeConnectorWorker
 
 MLA_LAYER = "model.layers.0.self_attn.attn"
@@ -175,14 +176,7 @@ def test_plugin_registers_every_tensor_by_byte_length(producer: bool) -> None:
     try:
         assert worker.backport  # upstream lacks PR 39596: on without asking
         worker.register_kv_caches(kv)
-        assert engine.registered == [
-            ([mla.data_ptr(), draft.data_ptr()], [mla.nbytes, draft.nbytes])
-        ]
-        assert worker.kv_caches_base_addr == [mla.data_ptr(), draft.data_ptr()]
-        assert worker.block_len_per_layer == [
-            mla.nbytes // mla.shape[0],
-            draft.nbytes // draft.shape[0],
-        ]
+        assert_registered_by_byte_length(worker, engine, mla, draft)
         assert worker.num_blocks == NUM_BLOCKS
         assert [r.layout for r in worker.regions] == [
             registration.MLA_LAYOUT,

@@ -145,8 +145,7 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
             self.data[RETRIED].append(1)
 
     def record_transfer(self, duration_s: float, total_bytes: int, num_descs: int):
-        send = getattr(_sending, "current", None)
-        src = send.descriptors if send is not None else None
+        src = getattr(_sending, "current", None)
         with self._lock:
             self.data["transfer_duration"].append(duration_s)
             self.data["bytes_transferred"].append(total_bytes)
@@ -168,11 +167,6 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
         return self
 
 
-@dataclass
-class _Send:
-    descriptors: tuple[list[int], list[int]]
-
-
 class sending_descriptors:  # noqa: N801 - used as a context manager
     """One send, in the sending thread (``_send_blocks``)."""
 
@@ -180,7 +174,7 @@ class sending_descriptors:  # noqa: N801 - used as a context manager
         self.value = (src_ptrs, lengths)
 
     def __enter__(self) -> None:
-        _sending.current = _Send(self.value)
+        _sending.current = self.value
 
     def __exit__(self, *exc: object) -> None:
         _sending.current = None
