@@ -54,7 +54,8 @@ def test_load_64_concurrent_mixed_lengths(faults: FaultStack) -> None:
     d = m.settle(
         faults.decode, before["decode"], lambda d: d.total(m.EXTERNAL_HITS) >= tokens
     )
-    p = m.scrape(faults.prefill) - before["prefill"]
+    # Prefill counts its send after decode has the KV: settle both.
+    p = m.settle(faults.prefill, before["prefill"], lambda p: p.total(m.TRANSFERS) >= 1)
     _, found = wait_idle(faults, faults.bounds["idle"])
     record(
         "load: 64 concurrent, 8 prompt lengths 5-300",

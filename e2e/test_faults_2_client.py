@@ -240,7 +240,10 @@ def test_negative_control_vllm_router_alone_serves_without_the_key(
             before["decode"],
             lambda d: d.total(m.EXTERNAL_HITS) >= len(body["prompt"]),
         )
-        p = m.scrape(faults.prefill) - before["prefill"]
+        # Prefill counts its send after decode has the KV: settle both.
+        p = m.settle(
+            faults.prefill, before["prefill"], lambda p: p.total(m.TRANSFERS) >= 1
+        )
     print(
         f"vllm-router alone, no key presented: HTTP {got.status}, tokens "
         f"{got.token_ids} (reference {expected}); prefill transfers "

@@ -236,7 +236,8 @@ def test_client_kv_transfer_params_cannot_steer_the_transfer(
     d = m.settle(
         faults.decode, before["decode"], lambda d: d.total(m.EXTERNAL_HITS) >= tokens
     )
-    p = m.scrape(faults.prefill) - before["prefill"]
+    # Prefill counts its send after decode has the KV: settle both.
+    p = m.settle(faults.prefill, before["prefill"], lambda p: p.total(m.TRANSFERS) >= 1)
     _, found = wait_idle(faults, faults.bounds["idle"])
     sources = d.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
     record(
