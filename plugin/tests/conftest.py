@@ -243,6 +243,22 @@ def short_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(connector, "MOONCAKE_TRANSFER_TIMEOUT_S", STALL_S)
 
 
+def pull_fields(worker: Any, blocks: list) -> dict[str, Any]:
+    """What decode's registered ``worker`` puts in its pull for request
+    ``d-req`` into ``blocks``: the MooncakeXferMetadata fields 0.19.1 and 0.32
+    share (0.32 adds pipeline size, KV block lengths and the region fields;
+    its ``blocks`` are one list per KV cache group, 0.19.1's one flat list)."""
+    return {
+        "remote_hostname": worker.hostname,
+        "remote_port": worker.rpc_port,
+        "remote_tp_size": worker.tp_size,
+        "remote_tp_rank": worker.tp_rank,
+        "req_blocks": {"d-req": ("xfer-1", blocks)},
+        "kv_caches_base_addr": worker.kv_caches_base_addr,
+        "block_lens": worker.block_len_per_layer,
+    }
+
+
 def assert_registered_by_byte_length(
     worker: Any, engine: Any, mla: torch.Tensor, draft: torch.Tensor
 ) -> None:

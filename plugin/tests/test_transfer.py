@@ -25,7 +25,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
 )
 
 from bench.loopback import Peer
-from conftest import DRAFT_LAYER, MLA_LAYER, RecordingEngine, make_worker
+from conftest import (
+    DRAFT_LAYER,
+    MLA_LAYER,
+    RecordingEngine,
+    make_worker,
+    pull_fields,
+)
 from pd_mooncake import registration
 from pd_mooncake.connector import PDMooncakeConnectorWorker
 
@@ -75,14 +81,8 @@ def pull_metadata(
     ``d-req`` into ``blocks`` (one list per KV cache group), as
     MooncakeConnectorWorker.receive_kv_from_single_worker builds it."""
     return upstream.MooncakeXferMetadata(
-        remote_hostname=worker.hostname,
-        remote_port=worker.rpc_port,
-        remote_tp_size=worker.tp_size,
-        remote_tp_rank=worker.tp_rank,
+        **pull_fields(worker, blocks),
         remote_pp_size=worker.pp_size,
-        req_blocks={"d-req": ("xfer-1", blocks)},
-        kv_caches_base_addr=worker.kv_caches_base_addr,
-        block_lens=worker.block_len_per_layer,
         kv_block_lens=worker.kv_block_len_per_layer,
         registered_layer_names=worker.registered_layer_names,
         registered_layer_indices=worker.registered_layer_indices,

@@ -42,7 +42,7 @@ if registration.upstream_has_fix(upstream.MooncakeConnectorWorker):
     )
 
 from bench.loopback import Peer, tcp_engine
-from conftest import assert_registered_by_byte_length
+from conftest import assert_registered_by_byte_length, pull_fields
 from pd_mooncake.connector import PDMooncakeConnectorWorker
 
 MLA_LAYER = "model.layers.0.self_attn.attn"
@@ -211,17 +211,8 @@ class Decode:
 
     def metadata(self) -> bytes:
         """The pull 0.19's receive_kv_from_single_worker sends."""
-        w = self.worker
         return msgspec.msgpack.encode(
-            upstream.MooncakeXferMetadata(
-                remote_hostname=w.hostname,
-                remote_port=w.rpc_port,
-                remote_tp_size=w.tp_size,
-                remote_tp_rank=w.tp_rank,
-                req_blocks={"d-req": ("xfer-1", DECODE_BLOCKS)},
-                kv_caches_base_addr=w.kv_caches_base_addr,
-                block_lens=w.block_len_per_layer,
-            )
+            upstream.MooncakeXferMetadata(**pull_fields(self.worker, DECODE_BLOCKS))
         )
 
     def read(self) -> dict[str, bytes]:
