@@ -255,41 +255,49 @@ def totals(scrapes: list[dict]) -> dict[str, int]:
     }
 
 
-@pytest.mark.usefixtures("short_stalls")
-def test_a_scrape_between_attempts_never_sees_the_retried_attempt_fail() -> None:
-    worker = sender({"a": [(-1, STALL_S), (0, 0.0)]})
-    scrapes: list[dict] = []
-    with on_stall("a", lambda: scrape(worker, scrapes)):
-        assert send(worker, "a") == 0
+def scrape_only(worker: Any, scrapes: list[dict]) -> None:
     scrape(worker, scrapes)
-    assert not scrapes[0].get("num_failed_transfers")
-    assert totals(scrapes) == {
-        "transfer_duration": 1,
-        "num_failed_transfers": 0,
-        metrics.RETRIED: 1,
-    }
+
+
+def b_fails_then_scrape(worker: Any, scrapes: list[dict]) -> None:
+    """Sender b fails for good, then the scrape."""
+    other = threading.Thread(target=send, args=(worker, "b"))
+    other.start()
+    other.join(timeout=10)
+    scrape(worker, scrapes)
 
 
 @pytest.mark.usefixtures("short_stalls")
-def test_concurrent_senders_keep_their_own_outcome() -> None:
-    """Sender b fails for good while sender a is between its stalled attempt
-    and its retry: the scrape then shows b's failure, and only b's."""
-    worker = sender({"a": [(-1, STALL_S), (0, 0.0)], "b": [(-1, 0.0)]})
+@pytest.mark.parametrize(
+    ("scripts", "between", "failed"),
+    [
+        pytest.param({"a": [(-1, STALL_S), (0, 0.0)]}, scrape_only, 0, id="a alone"),
+        pytest.param(
+            {"a": [(-1, STALL_S), (0, 0.0)], "b": [(-1, 0.0)]},
+            b_fails_then_scrape,
+            1,
+            id="b fails meanwhile",
+        ),
+    ],
+)
+def test_a_scrape_between_attempts_sees_only_final_failures(
+    scripts: dict[str, list[tuple[int, float]]],
+    between: Callable[[Any, list[dict]], None],
+    failed: int,
+) -> None:
+    """Sender a's first attempt stalls, its retry succeeds; a scrape between
+    the two never sees a's retried attempt fail. Concurrent senders keep their
+    own outcome: when sender b fails for good meanwhile, that scrape shows b's
+    failure, and only b's."""
+    worker = sender(scripts)
     scrapes: list[dict] = []
-
-    def b_fails_then_scrape() -> None:
-        other = threading.Thread(target=send, args=(worker, "b"))
-        other.start()
-        other.join(timeout=10)
-        scrape(worker, scrapes)
-
-    with on_stall("a", b_fails_then_scrape):
+    with on_stall("a", lambda: between(worker, scrapes)):
         assert send(worker, "a") == 0
     scrape(worker, scrapes)
-    assert scrapes[0]["num_failed_transfers"] == [1]
+    assert scrapes[0].get("num_failed_transfers", []) == [1] * failed
     assert totals(scrapes) == {
         "transfer_duration": 1,
-        "num_failed_transfers": 1,
+        "num_failed_transfers": failed,
         metrics.RETRIED: 1,
     }
 
