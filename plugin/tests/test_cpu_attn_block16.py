@@ -261,40 +261,41 @@ def run_cpu_attn(
     query = torch.cat(inputs.queries)
     output = torch.full_like(query, float("nan"))
 
+    # The step as the metadata builder plans it and forward attends it: both
+    # ops must be given the same.
+    step = {
+        "seq_lens": seq_lens,
+        "query_start_loc": query_start_loc,
+        "causal": True,
+        "dynamic_causal": None,
+        "kv_cache_dtype": "auto",
+    }
     scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=batch.num_reqs,
         num_heads=NUM_HEADS,
         num_kv_heads=NUM_KV_HEADS,
         head_dim=head,
-        seq_lens=seq_lens,
         dtype=DTYPE,
-        query_start_loc=query_start_loc,
-        causal=True,
         sliding_window_size=-1,
         isa=isa,
         enable_kv_split=enable_kv_split,
-        dynamic_causal=None,
-        kv_cache_dtype="auto",
+        **step,
     )
     ops.cpu_attention_with_kv_cache(
         query=query,
         key_cache=key_cache,
         value_cache=value_cache,
         output=output,
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
         scale=head**-0.5,
-        causal=True,
         alibi_slopes=None,
         sliding_window=-1,
         block_table=table if read_table is None else read_table,
         softcap=0,
         scheduler_metadata=scheduler_metadata,
         s_aux=None,
-        dynamic_causal=None,
         k_scale=1.0,
         v_scale=1.0,
-        kv_cache_dtype="auto",
+        **step,
     )
     return output, isa
 
