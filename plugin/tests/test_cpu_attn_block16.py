@@ -326,6 +326,15 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().nan_to_num(math.inf).max().item()
 
 
+def max_diffs(
+    label: str, **pairs: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, float]:
+    """max_diff of each named pair, printed on one line after ``label``."""
+    diffs = {name: max_diff(a, b) for name, (a, b) in pairs.items()}
+    print(label, " ".join(f"{name}={d:.2e}" for name, d in diffs.items()))
+    return diffs
+
+
 @pytest.mark.parametrize(("case", "head_size", "threads", "enable_kv_split"), SWEEP)
 def test_block16_matches_block32_and_reference(
     case: str, head_size: int, threads: int, enable_kv_split: bool
@@ -350,17 +359,16 @@ def test_block16_matches_block32_and_reference(
     assert isa16 == "vec16"
     assert isa32 != "vec16"
 
-    d_blocks = max_diff(out16, out32)
-    d16 = max_diff(out16, reference)
-    d32 = max_diff(out32, reference)
-    print(
+    d = max_diffs(
         f"{case} head={head_size} threads={threads} split={enable_kv_split} "
-        f"{isa16} vs {isa32}: "
-        f"|16-32|={d_blocks:.2e} |16-ref|={d16:.2e} |32-ref|={d32:.2e}"
+        f"{isa16} vs {isa32}:",
+        blocks=(out16, out32),
+        ref16=(out16, reference),
+        ref32=(out32, reference),
     )
-    assert d_blocks < BLOCK_SIZE_ATOL
-    assert d16 < REFERENCE_ATOL
-    assert d32 < REFERENCE_ATOL
+    assert d["blocks"] < BLOCK_SIZE_ATOL
+    assert d["ref16"] < REFERENCE_ATOL
+    assert d["ref32"] < REFERENCE_ATOL
 
 
 @pytest.mark.parametrize("block_size", [16, NATIVE_BLOCK_SIZE])
@@ -392,16 +400,15 @@ def test_wrong_addressing_is_detected(block_size: int) -> None:
         out_table, _ = run(read_table=wrong_table)
         out_lens, _ = run(seq_lens_override=short)
         right, _ = run()
-    d_right = max_diff(right, reference)
-    d_table = max_diff(out_table, reference)
-    d_lens = max_diff(out_lens, reference)
-    print(
-        f"block={block_size}: right={d_right:.2e} "
-        f"wrong_table={d_table:.2e} wrong_seq_lens={d_lens:.2e}"
+    d = max_diffs(
+        f"block={block_size}:",
+        right=(right, reference),
+        wrong_table=(out_table, reference),
+        wrong_seq_lens=(out_lens, reference),
     )
-    assert d_right < REFERENCE_ATOL
-    assert d_table > WRONG_MIN_DIFF
-    assert d_lens > WRONG_MIN_DIFF
+    assert d["right"] < REFERENCE_ATOL
+    assert d["wrong_table"] > WRONG_MIN_DIFF
+    assert d["wrong_seq_lens"] > WRONG_MIN_DIFF
 
 
 def test_patch_makes_16_common_block_size() -> None:
