@@ -70,24 +70,26 @@ def _kill_in_flight(
     stack: FaultStack,
     bodies: list,
     role: str,
-    busy: Callable[[], bool],
+    busy: Callable[[m.Snapshot], bool],
     what: str,
     late: Sequence[dict[str, Any]] = (),
-) -> tuple[list[tuple[Outcome, float]], float]:
-    """Send ``bodies`` through the router, SIGKILL ``role`` once ``busy()`` (at
-    most 120 s), then send ``late``: each result (outcome, time it ended) and
-    the time of the kill."""
+) -> tuple[list[tuple[Outcome, float]], float, m.Snapshot]:
+    """Send ``bodies`` through the router, SIGKILL ``role`` once ``busy`` (at
+    most 120 s), then send ``late``: each result (outcome, time it ended), the
+    time of the kill and prefill's counters from before the requests (what
+    both cases measure prefill against; ``busy`` is given them)."""
+    before = m.scrape(stack.prefill)
 
     def one(body: dict[str, Any]) -> tuple[Outcome, float]:
         return post(stack.router, body, timeout=300), time.monotonic()
 
     with ThreadPoolExecutor(max_workers=len(bodies) + len(late)) as pool:
         futures = [pool.submit(one, body) for body in bodies]
-        wait.poll(busy, bool, 120, what, interval_s=0.2)
+        wait.poll(lambda: busy(before), bool, 120, what, interval_s=0.2)
         twin.kill(role, RUN_DIR, progress=progress)
         killed_at = time.monotonic()
         futures += [pool.submit(one, body) for body in late]
-        return [f.result() for f in futures], killed_at
+        return [f.result() for f in futures], killed_at, before
 
 
 def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
@@ -95,14 +97,13 @@ def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
     pids = twin.running(RUN_DIR)
     bodies = [greedy(faults.prompt(30 + 7 * i, salt=4000 + i), 300) for i in range(8)]
     late = [greedy(faults.prompt(45 + 5 * i, salt=4100 + i), 8) for i in range(4)]
-    before = m.scrape(faults.prefill)
     # The late ones before the router notices: the prefill leg runs, the
     # decode leg cannot.
-    results, killed_at = _kill_in_flight(
+    results, killed_at, before = _kill_in_flight(
         faults,
         bodies,
         "decode",
-        lambda: state(faults, ("decode",))["decode_requests"] >= 4,
+        lambda _: state(faults, ("decode",))["decode_requests"] >= 4,
         "4 requests on decode",
         late,
     )
@@ -163,12 +164,11 @@ def test_prefill_killed_with_requests_in_flight(faults: FaultStack) -> None:
     ids_before = engine_ids(faults.bootstrap)
     # Long prompts: prefill is busy for seconds, some transfers are under way.
     bodies = [greedy(faults.prompt(600 + 40 * i, salt=4300 + i), 16) for i in range(12)]
-    started = m.scrape(faults.prefill)
-    results, killed_at = _kill_in_flight(
+    results, killed_at, _ = _kill_in_flight(
         faults,
         bodies,
         "prefill",
-        lambda: _prefill_at_work(faults.prefill, started),
+        lambda started: _prefill_at_work(faults.prefill, started),
         "prefill at work on the prompts",
     )
     while_dead = post(faults.router, greedy(faults.prompt(20, salt=4399), 4))
