@@ -19,7 +19,7 @@ import functools
 import json
 import re
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -585,22 +585,22 @@ def test_invariants_hold(overlay: str) -> None:
     assert violations(render(overlay), overlay) == []
 
 
-def test_probe_checker_catches_violations() -> None:
-    objects = render("tiny")
-    found = workloads(objects)
+# Negative controls on the tiny overlay: each breaks a fresh render (its
+# objects and their workloads) and returns what its checker must report, sorted.
+
+
+def _break_probes(objects: list[Object], found: dict[str, Object]) -> list[str]:
     main_container(found["prefill"])["readinessProbe"]["httpGet"]["path"] = "/"
     del main_container(found["decode"])["startupProbe"]
     main_container(found[ROUTER])["livenessProbe"] = {"tcpSocket": {"port": "http"}}
-    assert sorted(probe_violations(objects)) == [
+    return [
         "decode: no startupProbe",
         "prefill: readinessProbe must GET /health on port http",
         "router: livenessProbe must GET /health on port http",
     ]
 
 
-def test_security_checker_catches_violations() -> None:
-    objects = render("tiny")
-    found = workloads(objects)
+def _break_security(objects: list[Object], found: dict[str, Object]) -> list[str]:
     prefill = main_container(found["prefill"])
     prefill["securityContext"]["privileged"] = True
     prefill["securityContext"]["capabilities"]["add"].append("SYS_ADMIN")
@@ -610,7 +610,7 @@ def test_security_checker_catches_violations() -> None:
     init["securityContext"]["allowPrivilegeEscalation"] = True
     pod(found[ROUTER])["enableServiceLinks"] = True
     pod(found[ROUTER])["hostNetwork"] = True
-    assert sorted(security_violations(objects)) == [
+    return [
         "decode: needs IPC_LOCK (RDMA pins memory)",
         "decode: pod must set runAsNonRoot and a non-0 runAsUser",
         "prefill/vllm: adds ['SYS_ADMIN']",
@@ -619,6 +619,44 @@ def test_security_checker_catches_violations() -> None:
         "router: enableServiceLinks must be false",
         "router: hostNetwork shares the node's namespace",
     ]
+
+
+def _break_secrets(objects: list[Object], found: dict[str, Object]) -> list[str]:
+    main_container(found["prefill"])["env"].append(
+        {"name": "HF_TOKEN", "value": "hf_abc"}
+    )
+    for item in main_container(found[ROUTER])["env"]:
+        if item["name"] == "ROUTER_API_KEY_FILE":
+            item["value"] = "/tmp/api_key"
+    find(objects, "ConfigMap", ports_configmap(objects))["data"]["API_KEY"] = "k"
+    # A file path into a volume that is not (only) a Secret does not count.
+    for volume in pod(found["decode"])["volumes"]:
+        if volume["name"] == "secrets":
+            volume["projected"]["sources"].append({"configMap": {"name": "x"}})
+    return [
+        f"ConfigMap {ports_configmap(objects)}: secret API_KEY in a ConfigMap",
+        "decode/vllm: HF_TOKEN_PATH is not a file from a secret",
+        "decode/vllm: VLLM_API_KEY_FILE is not a file from a secret",
+        "prefill/vllm: secret HF_TOKEN as a plain value",
+        "router/router: ROUTER_API_KEY_FILE is not a file from a secret",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("checker", "breaks"),
+    [
+        pytest.param(probe_violations, _break_probes, id="probe"),
+        pytest.param(security_violations, _break_security, id="security"),
+        pytest.param(secret_violations, _break_secrets, id="secret"),
+    ],
+)
+def test_checker_catches_violations(
+    checker: Callable[[list[Object]], list[str]],
+    breaks: Callable[[list[Object], dict[str, Object]], list[str]],
+) -> None:
+    objects = render("tiny")
+    expected = breaks(objects, workloads(objects))
+    assert sorted(checker(objects)) == expected
 
 
 def test_shm_checker_catches_violations() -> None:
@@ -633,29 +671,6 @@ def test_shm_checker_catches_violations() -> None:
     assert shm_violations(objects) == [
         "prefill: /dev/shm must be an emptyDir, medium Memory",
         "decode: /dev/shm needs a sizeLimit",
-    ]
-
-
-def test_secret_checker_catches_violations() -> None:
-    objects = render("tiny")
-    found = workloads(objects)
-    main_container(found["prefill"])["env"].append(
-        {"name": "HF_TOKEN", "value": "hf_abc"}
-    )
-    for item in main_container(found[ROUTER])["env"]:
-        if item["name"] == "ROUTER_API_KEY_FILE":
-            item["value"] = "/tmp/api_key"
-    find(objects, "ConfigMap", ports_configmap(objects))["data"]["API_KEY"] = "k"
-    # A file path into a volume that is not (only) a Secret does not count.
-    for volume in pod(found["decode"])["volumes"]:
-        if volume["name"] == "secrets":
-            volume["projected"]["sources"].append({"configMap": {"name": "x"}})
-    assert sorted(secret_violations(objects)) == [
-        f"ConfigMap {ports_configmap(objects)}: secret API_KEY in a ConfigMap",
-        "decode/vllm: HF_TOKEN_PATH is not a file from a secret",
-        "decode/vllm: VLLM_API_KEY_FILE is not a file from a secret",
-        "prefill/vllm: secret HF_TOKEN as a plain value",
-        "router/router: ROUTER_API_KEY_FILE is not a file from a secret",
     ]
 
 
