@@ -199,7 +199,8 @@ def test_prefill_killed_with_requests_in_flight(faults: FaultStack) -> None:
         before["decode"],
         lambda d: d.total(m.EXTERNAL_HITS) >= len(body["prompt"]),
     )
-    p = m.scrape(faults.prefill) - before["prefill"]
+    # Prefill counts its send after decode has the KV: settle both.
+    p = m.settle(faults.prefill, before["prefill"], lambda p: p.total(m.TRANSFERS) >= 1)
     _, found = wait_idle(faults, faults.bounds["idle"])
     record(
         "prefill killed with 12 in flight (+1 while dead)",
