@@ -229,8 +229,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     outcome = yield
     report = outcome.get_result()
     # The stack the test ran on: its own (the fault suite's) or the session's.
-    stacks = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, Stack)]
-    run_dir = next((s.run_dir for s in stacks if s.run_dir), E2E_RUN_DIR)
+    # (Or any stack fixture with a run_dir: the multi-host twin's.)
+    dirs = [getattr(v, "run_dir", None) for v in getattr(item, "funcargs", {}).values()]
+    run_dir = next((d for d in dirs if isinstance(d, Path)), E2E_RUN_DIR)
     if report.when == "call" and report.failed and run_dir.exists():
         # The servers' own words are usually the diagnosis.
         for log in sorted(run_dir.glob("*.log")):

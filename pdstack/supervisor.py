@@ -64,17 +64,21 @@ def urls(ports: config.Ports | None = None) -> Urls:
 
 
 def router_command(
-    u: Urls, extra: Iterable[str] = (), metrics_port: int | None = None
+    u: Urls,
+    extra: Iterable[str] = (),
+    metrics_port: int | None = None,
+    host: str = HOST,
 ) -> list[str]:
-    """vllm-router's argv for ``u``; ``extra`` flags win (argparse: last wins).
-    ``metrics_port`` None: configs/ports.env's ROUTER_METRICS_PORT."""
+    """vllm-router's argv for ``u``, listening on ``host``; ``extra`` flags
+    win (argparse: last wins). ``metrics_port`` None: configs/ports.env's
+    ROUTER_METRICS_PORT."""
     program = Path(sys.executable).parent / "vllm-router"
     port = urlsplit(u.router).port
     assert port is not None, u.router
     return [
         str(program) if program.exists() else "vllm-router",
         *config.router_args(
-            u.prefill, u.bootstrap_port, u.decode, HOST, port, metrics_port
+            u.prefill, u.bootstrap_port, u.decode, host, port, metrics_port
         ),
         *extra,
     ]

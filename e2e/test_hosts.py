@@ -1,0 +1,248 @@
+"""The stack beyond one host: 2 prefills and 2 decodes on hosts of their own.
+
+The multi-host twin (pdstack.hosts): every server in its own network
+namespace with its own address, found by name as pods are, each prefill with
+its own engine id, vllm-router in front with both replica lists. Timeouts are
+the fault suite's (configs/faults.yaml), so each fault ends in seconds. Runs
+only on a stack this suite starts (it needs root); its own stack is up only
+while this module runs, before the fault suite's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import E2E_RUN_DIR, Stack
+from faults_helpers import RUNNING, WAITING, greedy, post, settings
+from pdstack import config, hosts, wait
+from pdstack import metrics as m
+
+RUN_DIR = E2E_RUN_DIR.parent / "hosts"
+KV_FETCH = "vllm:num_requests_kv_fetch_by_stage"
+
+
+@dataclass
+class Hosts:
+    twin: hosts.HostsTwin
+    bounds: dict[str, float]
+    idle: dict[str, float]
+
+    @property
+    def reference(self) -> Stack:
+        """A colocated server: prefill-0 (at its current address) asked
+        without transfer parameters."""
+        url = self.twin.url("prefill-0")
+        return Stack(self.twin.router, url, self.twin.url("decode-0"), url, True)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.twin.run_dir
+
+    def servers(self, role: str) -> list[str]:
+        return self.twin.servers(role)
+
+    def all_servers(self) -> list[str]:
+        return [*self.servers("prefill"), *self.servers("decode")]
+
+
+def _progress(line: str) -> None:
+    print(f"[hosts twin] {line}", flush=True)
+
+
+def _state(twin: hosts.HostsTwin, names: list[str]) -> dict[str, float]:
+    """Per server what must come back to idle (faults_helpers.state's
+    quantities, per host)."""
+    now: dict[str, float] = {}
+    for name in names:
+        snap = m.scrape(twin.url(name))
+        now[f"{name} kv_usage"] = snap.total(m.KV_USAGE)
+        now[f"{name} requests"] = snap.total(RUNNING) + snap.total(WAITING)
+        if hosts.role_of(name) == "decode":
+            now[f"{name} kv_fetch"] = snap.total(KV_FETCH)
+            now[f"{name} checksum_mismatch"] = snap.total(m.CHECKSUM_MISMATCH)
+    return now
+
+
+def wait_idle(h: Hosts, names: list[str] | None = None) -> dict[str, float]:
+    """Leaks left after the idle bound (empty: none)."""
+    chosen = names or h.all_servers()
+
+    def leaks() -> dict[str, float]:
+        now = _state(h.twin, chosen)
+        return {k: v for k, v in now.items() if abs(v - h.idle.get(k, 0.0)) > 1e-9}
+
+    return wait.poll_last(
+        leaks, lambda found: not found, h.bounds["idle"], "hosts idle", 0.5
+    )[1]
+
+
+def counters(h: Hosts) -> dict[str, m.Snapshot]:
+    return {name: m.scrape(h.twin.url(name)) for name in h.all_servers()}
+
+
+def deltas(h: Hosts, before: dict[str, m.Snapshot]) -> dict[str, m.Snapshot]:
+    return {name: m.scrape(h.twin.url(name)) - snap for name, snap in before.items()}
+
+
+@pytest.fixture(scope="module")
+def stack_hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
+    if request.config.getoption("router_url"):
+        pytest.skip("the multi-host twin runs only where this suite starts stacks")
+    cfg = settings()
+    twin = hosts.HostsTwin(
+        run_dir=RUN_DIR,
+        progress=_progress,
+        role_env={
+            role: {k: str(v) for k, v in values.items()}
+            for role, values in cfg["env"].items()
+        },
+        router_extra=config.render(cfg["router"], {}),
+    )
+    try:
+        twin.up()
+    except wait.WaitError as exc:
+        pytest.fail(str(exc))
+    try:
+        names = [*twin.servers("prefill"), *twin.servers("decode")]
+        h = Hosts(twin, {k: float(v) for k, v in cfg["bounds"].items()}, {})
+        h.idle = _state(twin, names)
+        yield h
+    finally:
+        twin.down()
+
+
+def references(h: Hosts, bodies: list[dict]) -> list[list[int]]:
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        answers = list(
+            pool.map(lambda b: post(h.reference.reference, b, timeout=300), bodies)
+        )
+    assert all(a.status == 200 for a in answers), answers
+    return [a.token_ids or [] for a in answers]
+
+
+def test_xpyd_every_replica_serves_exact_answers(stack_hosts: Hosts) -> None:
+    """8 requests through the router, one at a time: each equal to the
+    colocated reference, both prefills and both decodes served, one transfer
+    per request on the prefills, nothing left behind."""
+    h = stack_hosts
+    bodies = [
+        greedy(h.reference.prompt(40 + 7 * i, salt=6000 + i), 6) for i in range(8)
+    ]
+    expected = references(h, bodies)
+    before = counters(h)
+    got = [post(h.twin.router, b, timeout=h.bounds["request"]) for b in bodies]
+    tokens = sum(len(b["prompt"]) for b in bodies)
+    # Prefill counts a send after decode has the KV: settle both sides.
+    after = wait.poll_last(
+        lambda: deltas(h, before),
+        lambda d: (
+            sum(d[n].total(m.EXTERNAL_HITS) for n in h.servers("decode")) >= tokens
+            and sum(d[n].total(m.TRANSFERS) for n in h.servers("prefill"))
+            >= len(bodies)
+        ),
+        20.0,
+        "transfers counted",
+    )[1]
+    transfers = {n: after[n].total(m.TRANSFERS) for n in h.servers("prefill")}
+    loaded = {n: after[n].total(m.EXTERNAL_HITS) for n in h.servers("decode")}
+    leaks = wait_idle(h)
+    print(f"xPyD: transfers per prefill {transfers}, tokens loaded per decode {loaded}")
+    assert [g.status for g in got] == [200] * len(bodies), [g.body[:200] for g in got]
+    assert [g.token_ids for g in got] == expected
+    assert all(v >= 1 for v in transfers.values()), transfers
+    assert all(v >= 1 for v in loaded.values()), loaded
+    assert sum(transfers.values()) == len(bodies)
+    assert sum(loaded.values()) == tokens
+    assert leaks == {}
+
+
+def serves_exactly_on_every_replica(h: Hosts, salt: int) -> float:
+    """Requests through the router until every prefill and decode has served
+    one exactly (the recovery bound); returns the seconds that took."""
+    start = time.monotonic()
+    served: set[str] = set()
+    i = 0
+    while time.monotonic() - start < h.bounds["recovery"]:
+        body = greedy(h.reference.prompt(33, salt=salt + i), 4)
+        (expected,) = references(h, [body])
+        before = counters(h)
+        got = post(h.twin.router, body, timeout=h.bounds["request"])
+        i += 1
+        if got.status != 200:
+            time.sleep(1)
+            continue
+        assert got.token_ids == expected
+        after = deltas(h, before)
+        served |= {n for n, d in after.items() if d.total(m.TRANSFERS) >= 1}
+        served |= {n for n, d in after.items() if d.total(m.EXTERNAL_HITS) >= 1}
+        if served >= set(h.all_servers()):
+            return time.monotonic() - start
+    raise AssertionError(
+        f"after {h.bounds['recovery']:.0f}s only {sorted(served)} served"
+    )
+
+
+def test_a_prefill_recreated_at_a_new_address_serves_again(stack_hosts: Hosts) -> None:
+    """A rescheduled pod: prefill-0 killed, back on a new IP under the same
+    name and engine id. Without restarting decode or the router, requests
+    succeed again on every replica within the recovery bound."""
+    h = stack_hosts
+    # Every decode that serves prefill-0 has cached its side-channel address.
+    serves_exactly_on_every_replica(h, salt=6050)
+    old = h.twin.net["prefill-0"].address
+    took = h.twin.recreate("prefill-0")
+    new = h.twin.net["prefill-0"].address
+    recovered_s = serves_exactly_on_every_replica(h, salt=6100)
+    leaks = wait_idle(h)
+    print(
+        f"prefill-0 {old} -> {new}: healthy after {took:.0f}s, every replica "
+        f"served exactly {recovered_s:.1f}s later"
+    )
+    assert new != old
+    assert leaks == {}
+
+
+def test_a_partitioned_prefill_host_heals(stack_hosts: Hosts) -> None:
+    """prefill-1's link down while requests are on their way, up again 6 s
+    later: every client gets a terminal answer within the bound (an exact
+    answer or an error, never a wrong one), and after the heal every
+    replica serves exactly and nothing is left behind."""
+    h = stack_hosts
+    bodies = [greedy(h.reference.prompt(600, salt=6200 + i), 8) for i in range(8)]
+    expected = references(h, bodies)
+    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+        futures = [
+            pool.submit(post, h.twin.router, b, timeout=h.bounds["request"])
+            for b in bodies
+        ]
+        cut = threading.Timer(0.5, h.twin.net.link, ("prefill-1", False))
+        cut.start()
+        time.sleep(6.5)
+        h.twin.net.link("prefill-1", True)
+        cut.join()
+        got = [f.result() for f in futures]
+    statuses = [g.status for g in got]
+    wrong = [
+        i
+        for i, (g, e) in enumerate(zip(got, expected, strict=True))
+        if g.status == 200 and g.token_ids != e
+    ]
+    slowest = max(g.seconds for g in got)
+    recovered_s = serves_exactly_on_every_replica(h, salt=6300)
+    leaks = wait_idle(h)
+    print(
+        f"partition of prefill-1 for 6 s: statuses {statuses}, slowest terminal "
+        f"answer {slowest:.1f}s, every replica exact again {recovered_s:.1f}s "
+        f"after; leaks {leaks}"
+    )
+    assert wrong == []
+    assert all(s is not None for s in statuses), "a client got no terminal answer"
+    assert slowest < h.bounds["request"]
+    assert leaks == {}

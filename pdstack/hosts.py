@@ -1,0 +1,203 @@
+"""The twin as separate hosts: xPyD, each server on a host of its own.
+
+    python -m pdstack.hosts up [--prefills 2 --decodes 2]   # returns when healthy
+    python -m pdstack.hosts down
+
+Each prefill, decode and the router run in their own network namespace
+(``pdstack.netns``), advertise their own address (``VLLM_HOST_IP``, as the
+Kubernetes manifests set the pod IP) and find each other by name, as pods do
+through cluster DNS (``prefill-0``, ...): vllm-router is given the names.
+Each prefill has its own engine id, its host name (``PD_ENGINE_ID``, the
+StatefulSet pod name on Kubernetes). Mooncake's KV traffic crosses a real IP
+stack between hosts. Needs root; state in ``run/hosts``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+from pdstack import config, netns, supervisor, wait
+
+RUN_DIR = Path(__file__).resolve().parent.parent / "run" / "hosts"
+TAG = "mh"
+ROUTER = "router"
+
+
+def host_names(prefills: int, decodes: int) -> list[str]:
+    return [
+        ROUTER,
+        *(f"prefill-{i}" for i in range(prefills)),
+        *(f"decode-{i}" for i in range(decodes)),
+    ]
+
+
+def role_of(name: str) -> str:
+    role = name.rsplit("-", 1)[0]
+    if role not in (*config.ROLES, ROUTER):
+        raise ValueError(f"no role in host name {name!r}")
+    return role
+
+
+@dataclass
+class HostsTwin:
+    """Prefills and decodes behind one router, each on its own host."""
+
+    prefills: int = 2
+    decodes: int = 2
+    profile: str = "tiny"
+    run_dir: Path = RUN_DIR
+    progress: supervisor.Progress = print
+    # Extra environment per role (prefill, decode) and vllm-router flags.
+    role_env: Mapping[str, Mapping[str, str]] | None = None
+    router_extra: Iterable[str] = ()
+
+    def __post_init__(self) -> None:
+        if self.prefills < 1 or self.decodes < 1:
+            raise ValueError("at least one prefill and one decode")
+        self.names = host_names(self.prefills, self.decodes)
+        self.net = netns.Network(TAG, self.names)
+        self.procs = supervisor.Processes(self.run_dir, "processes.json", self.progress)
+        self.ports = config.ports()
+
+    # --- where things answer ----------------------------------------------
+
+    def servers(self, role: str) -> list[str]:
+        return [n for n in self.names if role_of(n) == role]
+
+    def port(self, name: str) -> int:
+        role = role_of(name)
+        if role == ROUTER:
+            return self.ports.router
+        return self.ports.prefill if role == "prefill" else self.ports.decode
+
+    def url(self, name: str) -> str:
+        """``name``'s base URL from this process (its current address)."""
+        return f"http://{self.net[name].address}:{self.port(name)}"
+
+    def bootstrap(self, name: str) -> str:
+        return f"http://{self.net[name].address}:{self.ports.bootstrap}"
+
+    @property
+    def router(self) -> str:
+        return self.url(ROUTER)
+
+    def _by_name(self, role: str) -> str:
+        # As a pod's DNS name: what the router holds resolves anew.
+        port = self.port(self.servers(role)[0])
+        return ",".join(f"http://{n}:{port}" for n in self.servers(role))
+
+    # --- life cycle --------------------------------------------------------
+
+    def up(self) -> HostsTwin:
+        """Build the hosts and start every server, then the router; on any
+        failure (Ctrl-C too) stop and remove what was started, and raise."""
+        if reason := netns.missing_privileges():
+            raise wait.WaitError(f"the multi-host twin cannot start: {reason}")
+        self.procs.stop()  # a previous run's servers, if its state survived
+        from pdstack.tiny_model import ensure_models
+
+        if config.profile(self.profile).get("generate") == "tiny":
+            ensure_models(progress=self.progress)
+        try:
+            self.net.create()
+            servers = [n for n in self.names if n != ROUTER]
+            deadlines = {name: self.start(name, wait_s=None) for name in servers}
+            for name in servers:
+                self.procs.wait_healthy(name, deadlines[name])
+            self.procs.wait_healthy(ROUTER, self.start(ROUTER, wait_s=None))
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        """Stop every server (whole process groups) and remove the hosts."""
+        self.procs.stop()
+        self.net.remove()
+
+    def start(
+        self, name: str, again: bool = False, wait_s: float | None = 0.0
+    ) -> float:
+        """Start ``name`` on its host. ``wait_s`` None returns the health
+        deadline without waiting; otherwise waits (0: the role's deadline)
+        and returns the seconds it took."""
+        host = self.net[name]
+        role = role_of(name)
+        if role == ROUTER:
+            u = supervisor.Urls(
+                router=f"http://{host.address}:{self.ports.router}",
+                prefill=self._by_name("prefill"),
+                decode=self._by_name("decode"),
+                bootstrap_port=self.ports.bootstrap,
+            )
+            argv = supervisor.router_command(u, self.router_extra, host=host.address)
+            env: dict[str, str] = {}
+            deadline = supervisor.ROUTER_DEADLINE_S
+        else:
+            argv, env = self._server_command(name, role)
+            deadline = supervisor.SERVER_DEADLINE_S
+        self.procs.launch(
+            name, [*host.exec_prefix(), *argv], env, self.url(name), again
+        )
+        if wait_s is None:
+            return deadline
+        return self.procs.wait_healthy(name, wait_s or deadline)
+
+    def _server_command(self, name: str, role: str) -> tuple[list[str], dict[str, str]]:
+        from pdstack.serve import command
+
+        extra = dict((self.role_env or {}).get(role, {}))
+        site = {"PD_ENGINE_ID": name} if role == "prefill" else {}
+        # serve reads site overrides (PD_ENGINE_ID) from the environment, as
+        # inside a container.
+        with mock.patch.dict(os.environ, site):
+            argv, env = command(role, self.profile, "cpu", "0.0.0.0")
+        # The host's own address, not the twin's loopback pin.
+        return argv, {**env, **extra, "VLLM_HOST_IP": self.net[name].address}
+
+    def kill(self, name: str) -> float:
+        """SIGKILL ``name``'s whole process group, as a crash would."""
+        return self.procs.kill(name)
+
+    def recreate(self, name: str) -> float:
+        """What Kubernetes does to a deleted pod: the server killed, its host
+        back on a new address under the same name (and engine id), the
+        server started again there. Returns the seconds until healthy."""
+        self.kill(name)
+        address = self.net.readdress(name)
+        self.progress(f"{name} re-created at {address}")
+        return self.start(name, again=True)
+
+    def running(self) -> dict[str, int]:
+        return self.procs.running()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=("up", "down"))
+    parser.add_argument("--prefills", type=int, default=2)
+    parser.add_argument("--decodes", type=int, default=2)
+    parser.add_argument("--profile", default="tiny")
+    opts = parser.parse_args(argv)
+    twin = HostsTwin(opts.prefills, opts.decodes, opts.profile)
+    try:
+        if opts.action == "down":
+            twin.down()
+            return 0
+        twin.up()
+    except (wait.WaitError, netns.NetnsError, config.ConfigError) as exc:
+        print(f"hosts {opts.action} failed: {exc}", file=sys.stderr)
+        return 1
+    for name in twin.names:
+        print(f"{name}: {twin.url(name)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
