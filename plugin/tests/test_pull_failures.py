@@ -371,3 +371,78 @@ def test_probe_reasons() -> None:
         closed = f"http://127.0.0.1:{nothing.getsockname()[1]}"
     assert asyncio.run(reliability.prefill_gone(closed)) == "refuses connections"
     assert asyncio.run(reliability.prefill_gone("not a url")) is None
+
+
+# -- a prefill re-created elsewhere under the same engine id -------------------
+
+
+@pytest.fixture
+def bootstrap_server() -> Iterator[Any]:
+    """Upstream's bootstrap server (real HTTP), as a prefill runs it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (
+        MooncakeBootstrapServer,
+    )
+
+    server = MooncakeBootstrapServer("127.0.0.1", 0)
+    server.start()
+    yield server
+    server.shutdown()
+
+
+def register(server: Any, worker_addr: str) -> None:
+    """What prefill's worker posts at start (upstream's /register)."""
+    import httpx
+
+    httpx.post(
+        f"http://127.0.0.1:{server.port}/register",
+        json={
+            "engine_id": "pd-prefill",
+            "dp_rank": 0,
+            "tp_rank": 0,
+            "pp_rank": 0,
+            "addr": worker_addr,
+        },
+        timeout=5,
+    ).raise_for_status()
+
+
+@pytest.mark.usefixtures("pull_never_answers")
+def test_a_prefill_recreated_at_a_new_address_fails_the_stale_pull_at_once(
+    bootstrap_server: Any,
+) -> None:
+    """A rescheduled pod: same name, same engine id, a new IP. Its bootstrap
+    answers (the name resolves to the new pod), so it is not gone; but the
+    pull went to the address decode cached: it fails at the first probe, and
+    the engine id leaves the cache so the next pull asks for the new one."""
+    register(bootstrap_server, "tcp://198.18.0.101:8999")
+    worker = decode_worker(INTERVAL_S)
+    worker._remote_agents = {"pd-prefill": {0: {0: "tcp://127.0.0.1:1"}}}
+    try:
+        failed, took = conftest_timed_pull(
+            worker, f"http://127.0.0.1:{bootstrap_server.port}", limit_s=10, tasks=1
+        )
+    finally:
+        worker.async_zmq_ctx.destroy(linger=0)
+    print(f"stale pull failed after {took:.2f}s")
+    assert failed and took < INTERVAL_S + 0.5
+    assert worker.finished_recving_reqs == {"d-1"}
+    assert "pd-prefill" not in worker._remote_agents
+
+
+@pytest.mark.usefixtures("pull_never_answers")
+def test_negative_control_a_slow_pull_to_the_registered_address_waits(
+    bootstrap_server: Any,
+) -> None:
+    """The bootstrap lists the address the pull went to: a slow prefill, not
+    a moved one; the pull keeps waiting and the cache keeps its entry."""
+    register(bootstrap_server, "tcp://127.0.0.1:1")
+    worker = decode_worker(INTERVAL_S)
+    worker._remote_agents = {"pd-prefill": {0: {0: "tcp://127.0.0.1:1"}}}
+    try:
+        failed, _ = conftest_timed_pull(
+            worker, f"http://127.0.0.1:{bootstrap_server.port}", limit_s=3, tasks=1
+        )
+    finally:
+        worker.async_zmq_ctx.destroy(linger=0)
+    assert not failed
+    assert worker._remote_agents == {"pd-prefill": {0: {0: "tcp://127.0.0.1:1"}}}

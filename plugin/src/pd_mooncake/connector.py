@@ -322,7 +322,8 @@ class PDMooncakeConnectorWorker(
         if not interval or not pull_metas:
             await upstream_pull
             return
-        bootstrap = next(iter(pull_metas.values())).remote_bootstrap_addr
+        first = next(iter(pull_metas.values()))
+        bootstrap, engine_id = first.remote_bootstrap_addr, first.remote_engine_id
         pull = asyncio.ensure_future(upstream_pull)
         gone_in_a_row = 0
         wait_s = interval
@@ -336,9 +337,16 @@ class PDMooncakeConnectorWorker(
             # next wait is shortened by it, so a silent prefill is failed as
             # soon as a refusing one (REFUSALS_TO_FAIL probes, one interval
             # apart).
-            reason = await reliability.prefill_gone(
-                bootstrap, timeout_s=min(1.0, interval / 2)
-            )
+            timeout_s = min(1.0, interval / 2)
+            reason = await reliability.prefill_gone(bootstrap, timeout_s)
+            if reason is None and (
+                reason := await reliability.engine_moved(
+                    bootstrap, engine_id, worker_addr, timeout_s
+                )
+            ):
+                # Proof at once: the next pull asks the bootstrap server anew.
+                self._remote_agents.pop(engine_id, None)
+                break
             wait_s = max(0.0, interval - (time.monotonic() - probed))
             gone_in_a_row = gone_in_a_row + 1 if reason else 0
             if gone_in_a_row >= reliability.REFUSALS_TO_FAIL:
@@ -351,7 +359,7 @@ class PDMooncakeConnectorWorker(
         self._handle_failed_recv(
             pull_metas,
             [r for r, m in pull_metas.items() if not _loaded(m)],
-            f"prefill gone: its bootstrap server {bootstrap} {reason}",
+            f"prefill gone or moved: its bootstrap server {bootstrap} {reason}",
         )
 
     def _handle_failed_recv(self, pull_metas: dict, req_ids: Any, reason: str) -> None:

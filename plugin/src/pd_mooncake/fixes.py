@@ -222,6 +222,10 @@ FIXES: tuple[Fix, ...] = (
             # upstream; a pull that settles a copy would be settled twice.
             Calls(WORKER, "receive_kv_from_single_worker", "pull_metas.copy", True),
             Attr("PullReqMeta", "remote_bootstrap_addr"),
+            Attr("PullReqMeta", "remote_engine_id"),
+            # A re-created prefill's engine id is dropped from upstream's
+            # cache of side-channel addresses, so the next pull asks anew.
+            Attr(WORKER, "_remote_agents"),
         ),
         _liveness_on,
     ),

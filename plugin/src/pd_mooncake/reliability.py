@@ -49,9 +49,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import re
 import socket
+import urllib.request
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -256,6 +258,42 @@ async def prefill_gone(url: str, timeout_s: float = 1.0) -> str | None:
     if not parts.hostname or not parts.port:
         return None
     return await asyncio.to_thread(_probe, parts.hostname, parts.port, timeout_s)
+
+
+def _registered_addrs(url: str, engine_id: str, timeout_s: float) -> set[str] | None:
+    """The side-channel addresses ``url``'s bootstrap server lists for
+    ``engine_id`` (upstream's /query answer), or None if it lists none or did
+    not answer: that proves nothing (a prefill still registering)."""
+    try:
+        with urllib.request.urlopen(f"{url}/query", timeout=timeout_s) as answer:
+            data = json.load(answer)
+        entries = [e for e in data.values() if e.get("engine_id") == engine_id]
+        addrs = {
+            addr
+            for entry in entries
+            for per_pp in entry["worker_addr"].values()
+            for addr in per_pp.values()
+        }
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+    return addrs or None
+
+
+async def engine_moved(
+    url: str, engine_id: str, worker_addr: str, timeout_s: float = 1.0
+) -> str | None:
+    """Why a pull to ``worker_addr`` can never be answered although the
+    bootstrap server at ``url`` answers: it lists ``engine_id`` at other
+    addresses now. A re-created prefill (a rescheduled pod: the same name and
+    engine id, a new IP) registers anew, but upstream's decode keeps the
+    first address it learnt per engine id for the life of the process."""
+    addrs = await asyncio.to_thread(_registered_addrs, url, engine_id, timeout_s)
+    if addrs is None or worker_addr in addrs:
+        return None
+    return (
+        f"lists engine {engine_id} at {', '.join(sorted(addrs))} now, not at "
+        f"{worker_addr} (a re-created prefill)"
+    )
 
 
 async def refuses_connections(url: str, timeout_s: float = 1.0) -> bool:
