@@ -246,3 +246,39 @@ def test_a_partitioned_prefill_host_heals(stack_hosts: Hosts) -> None:
     assert all(s is not None for s in statuses), "a client got no terminal answer"
     assert slowest < h.bounds["request"]
     assert leaks == {}
+
+
+SHAPED_RATE = "100mbit"
+
+
+def test_a_slow_link_slows_transfers_but_keeps_them_exact(stack_hosts: Hosts) -> None:
+    """prefill-0's link shaped to 100 Mbit/s (token bucket, both ways): the
+    transfers through it take at least what the bytes need at that rate, and
+    every answer still equals the reference."""
+    h = stack_hosts
+    bodies = [greedy(h.reference.prompt(900, salt=6400 + i), 4) for i in range(4)]
+    expected = references(h, bodies)
+    h.twin.net.shape("prefill-0", SHAPED_RATE)
+    try:
+        before = counters(h)
+        got = [post(h.twin.router, b, timeout=h.bounds["request"]) for b in bodies]
+        p = wait.poll_last(
+            lambda: m.scrape(h.twin.url("prefill-0")) - before["prefill-0"],
+            lambda d: d.total(m.TRANSFERS) >= len(bodies) // 2,
+            20.0,
+            "prefill-0's transfers counted",
+        )[1]
+    finally:
+        h.twin.net.shape("prefill-0", None)
+    moved, seconds = p.total(m.BYTES), p.total(m.TRANSFER_SECONDS)
+    floor_s = moved * 8 / 100e6
+    leaks = wait_idle(h)
+    print(
+        f"shaped to {SHAPED_RATE}: prefill-0 moved {moved / 1e6:.1f} MB in "
+        f"{p.total(m.TRANSFERS):.0f} transfers, {seconds:.2f}s (the link needs "
+        f"{floor_s:.2f}s at least)"
+    )
+    assert [g.status for g in got] == [200] * len(bodies)
+    assert [g.token_ids for g in got] == expected
+    assert moved > 0 and seconds >= 0.9 * floor_s
+    assert leaks == {}
