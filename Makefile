@@ -64,6 +64,14 @@ up-cpu: install ## Start the CPU twin (prefill, decode, router) in the backgroun
 down-cpu: ## Stop the CPU twin's processes
 	@test -x $(PY) && $(PY) -m pdstack.twin down || true
 
+.PHONY: up-hosts
+up-hosts: install ## The multi-host twin (root): 2 prefills, 2 decodes, the router, each on its own network namespace
+	$(PY) -m pdstack.hosts up --profile $(PROFILE)
+
+.PHONY: down-hosts
+down-hosts: ## Stop the multi-host twin and remove its namespaces
+	@test -x $(PY) && $(PY) -m pdstack.hosts down || true
+
 .PHONY: demo
 demo: install ## Fresh machine: start the twin, send a request, show the KV transfer evidence, stop
 	$(PY) -m pdstack.demo --profile $(PROFILE)
