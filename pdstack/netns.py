@@ -7,8 +7,8 @@ Mooncake advertise through ``VLLM_HOST_IP``), names from its own
 as a cluster DNS would answer). The hosts hang on a bridge in a namespace of
 its own; this process reaches them through one more veth pair, the
 "client" side. Addresses come from 198.18.0.0/15 (RFC 2544, network
-benchmarks); no host has a default route and nothing is NATed, so no packet
-can leave the machine.
+benchmarks), a /24 of it for each tag; no host has a default route and
+nothing is NATed, so no packet can leave the machine.
 
 Everything is named ``pdh-<tag>-...``: ``remove`` (and ``create``, first)
 deletes every namespace, hosts directory and client link of the tag, with
@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import subprocess
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +32,10 @@ from pathlib import Path
 import psutil
 
 PREFIX = "pdh-"
-SUBNET = ipaddress.ip_network("198.18.0.0/24")
-CLIENT_ADDRESS = str(SUBNET[1])
+# Each tag gets a /24 of its own: two tags' client links on one subnet would
+# give the root namespace two routes to it, and one run would talk to the
+# other's hosts (``create`` refuses a subnet some other link already routes).
+SPACE = ipaddress.ip_network("198.18.0.0/15")
 NETNS_ETC = Path("/etc/netns")
 # Linux interface names: at most 15 characters.
 IFNAME_MAX = 15
@@ -108,13 +111,15 @@ class Network:
         if len(self.names) > 200:
             raise ValueError("at most 200 hosts on one /24")
         self.base = f"{PREFIX}{self.tag}-"
+        self.subnet = subnet_of(self.tag)
+        self.client_address = str(self.subnet[1])
         self.bridge_ns = f"{self.base}bridge"
         self.client_link = f"{self.base}c"
         for index, name in enumerate(self.names):
             self.hosts[name] = Host(
                 name,
                 f"{self.base}{name}",
-                str(SUBNET[10 + index]),
+                str(self.subnet[10 + index]),
                 f"{self.base}p{index}",
             )
         assert len(self.client_link) <= IFNAME_MAX
@@ -131,6 +136,11 @@ class Network:
         if reason := missing_privileges():
             raise NetnsError(f"cannot build hosts: {reason}")
         self.remove()
+        if taken := _run("ip", "route", "show", "exact", str(self.subnet)).stdout:
+            raise NetnsError(
+                f"tag {self.tag!r}: its subnet {self.subnet} is routed already "
+                f"({taken.strip()}): another tag hashes to it, use another tag"
+            )
         try:
             self._build()
         except BaseException:
@@ -157,7 +167,7 @@ class Network:
             "peer", "name", "client", "netns", br,
         )  # fmt: skip
         self._in(br, "ip", "link", "set", "client", "master", "br0", "up")
-        _run("ip", "addr", "add", f"{CLIENT_ADDRESS}/{SUBNET.prefixlen}",
+        _run("ip", "addr", "add", f"{self.client_address}/24",
              "dev", self.client_link)  # fmt: skip
         _run("ip", "link", "set", self.client_link, "up")
         self.write_hosts()
@@ -168,7 +178,7 @@ class Network:
     def _address(self, host: Host, address: str) -> None:
         self._in(host.netns, "ip", "addr", "flush", "dev", "eth0")
         self._in(
-            host.netns, "ip", "addr", "add", f"{address}/{SUBNET.prefixlen}",
+            host.netns, "ip", "addr", "add", f"{address}/24",
             "dev", "eth0",
         )  # fmt: skip
         self._in(host.netns, "ip", "link", "set", "eth0", "up")
@@ -227,10 +237,9 @@ class Network:
         returns it. Start its processes again after: the old ones are bound
         to the old address."""
         host = self[name]
-        taken = {h.address for h in self.hosts.values()} | {CLIENT_ADDRESS}
-        fresh = address or next(
-            str(a) for a in SUBNET.hosts() if str(a) not in taken and int(a) % 256 > 100
-        )
+        taken = {h.address for h in self.hosts.values()} | {self.client_address}
+        free = (str(a) for a in self.subnet.hosts() if int(a) % 256 > 100)
+        fresh = address or next(a for a in free if a not in taken)
         self._address(host, fresh)
         self.write_hosts()
         return fresh
@@ -251,6 +260,13 @@ class Network:
 
     def _in(self, netns: str, *argv: str, check: bool = True) -> None:
         _run("ip", "netns", "exec", netns, *argv, check=check)
+
+
+def subnet_of(tag: str) -> ipaddress.IPv4Network:
+    """The tag's /24 of ``SPACE`` (chosen by a hash of the tag)."""
+    index = zlib.crc32(tag.encode()) % 2 ** (24 - SPACE.prefixlen)
+    start = int(SPACE.network_address) + index * 256
+    return ipaddress.IPv4Network((start, 24))
 
 
 def _bits(rate: str) -> int:
