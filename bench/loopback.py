@@ -1,12 +1,14 @@
-"""Mooncake TransferEngines over TCP on loopback, the receiving one in a
-process of its own: the one two-process harness of the transfer benchmark
-(bench/transfer_engine.py) and of the plugin's transfer tests
-(plugin/tests), so both start, wait and clean up the same way.
+"""Mooncake TransferEngines over TCP, the receiving one in a process of its
+own: the one two-process harness of the transfer benchmark
+(bench/transfer_engine.py, bench/hosts_link.py) and of the plugin's transfer
+tests (plugin/tests), so all start, wait and clean up the same way.
 
 ``Peer(cls, *args)`` builds ``cls(*args)`` in a spawned process and runs its
 methods there (``peer.call("read")``), each answer within a deadline, a
-peer that died or raised reported as such. ``Endpoint`` is an engine with one
-registered buffer: the usual receiver, and the usual sender. An environment
+peer that died or raised reported as such; with ``netns=`` the process
+enters that network namespace first (a host of pdstack.netns). ``Endpoint``
+is an engine with one registered buffer, on loopback unless given the
+address of its host: the usual receiver, and the usual sender. An environment
 both processes need (Mooncake reads its ``MC_*`` settings when an engine is
 created) is set around the whole exchange, e.g. with
 ``unittest.mock.patch.dict(os.environ, ...)``: a spawned process inherits it.
@@ -15,8 +17,10 @@ created) is set around the whole exchange, e.g. with
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import multiprocessing as mp
+import os
 from typing import Any
 
 import numpy as np
@@ -24,27 +28,50 @@ import numpy as np
 from pdstack.supervisor import HOST
 
 DEADLINE_S = 60.0
+# setns(2)'s nstype for a network namespace; `ip netns add` pins them here.
+CLONE_NEWNET = 0x40000000
+NETNS_RUN = "/var/run/netns"
 
 
 class PeerError(RuntimeError):
     pass
 
 
-def tcp_engine() -> Any:
-    """A TransferEngine on loopback TCP, peers found by P2P handshake."""
+def tcp_engine(host: str = HOST) -> Any:
+    """A TransferEngine on TCP advertising ``host`` (loopback by default),
+    peers found by P2P handshake."""
     from mooncake.engine import TransferEngine
 
     engine = TransferEngine()
-    if engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "") != 0:
-        raise PeerError("Mooncake TransferEngine did not initialize on TCP")
+    if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+        raise PeerError(f"Mooncake TransferEngine did not initialize on TCP at {host}")
     return engine
 
 
-class Endpoint:
-    """An engine with ``nbytes`` of zeroed memory registered (``data``)."""
+def enter_netns(name: str) -> None:
+    """Move this process into network namespace ``name`` (``ip netns``'s).
 
-    def __init__(self, nbytes: int) -> None:
-        self.engine = tcp_engine()
+    setns(2) moves the calling thread only, and threads started later follow
+    it: call it before anything starts a thread (an engine, a server).
+    Python 3.11 has no os.setns, hence ctypes.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(os.path.join(NETNS_RUN, name), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+class Endpoint:
+    """An engine with ``nbytes`` of zeroed memory registered (``data``),
+    advertising ``host``."""
+
+    def __init__(self, nbytes: int, host: str = HOST) -> None:
+        self.host = host
+        self.engine = tcp_engine(host)
         self.data = np.zeros(nbytes, dtype=np.uint8)
         self.base = self.data.ctypes.data
         if self.engine.register_memory(self.base, nbytes) != 0:
@@ -52,7 +79,7 @@ class Endpoint:
 
     def address(self) -> tuple[str, int]:
         """The session a sender writes to, and the buffer's address there."""
-        return f"{HOST}:{self.engine.get_rpc_port()}", self.base
+        return f"{self.host}:{self.engine.get_rpc_port()}", self.base
 
     def write(
         self, session: str, src: list[int], dst: list[int], lens: list[int]
@@ -74,9 +101,13 @@ def digest(buffer: np.ndarray, size: int) -> str:
     return hashlib.blake2b(memoryview(buffer[:size]), digest_size=16).hexdigest()
 
 
-def _serve(conn: Any, cls: type, args: tuple[Any, ...]) -> None:
+def _serve(
+    conn: Any, cls: type, args: tuple[Any, ...], netns: str | None = None
+) -> None:
     """The peer process: answers (ok, value) to each (method, args) until None."""
     try:
+        if netns is not None:
+            enter_netns(netns)
         obj = cls(*args)
         conn.send((True, None))
         while (message := conn.recv()) is not None:
@@ -87,13 +118,22 @@ def _serve(conn: Any, cls: type, args: tuple[Any, ...]) -> None:
 
 
 class Peer:
-    """``cls(*args)`` in a spawned process (``cls`` importable by name)."""
+    """``cls(*args)`` in a spawned process (``cls`` importable by name), in
+    network namespace ``netns`` if given (by its name under /var/run/netns)."""
 
-    def __init__(self, cls: type, *args: Any, deadline_s: float = DEADLINE_S) -> None:
+    def __init__(
+        self,
+        cls: type,
+        *args: Any,
+        deadline_s: float = DEADLINE_S,
+        netns: str | None = None,
+    ) -> None:
         self.name, self.deadline_s = cls.__name__, deadline_s
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, cls, args), daemon=True)
+        self.proc = ctx.Process(
+            target=_serve, args=(child, cls, args, netns), daemon=True
+        )
         self.proc.start()
         child.close()  # our copy: a peer that dies is then seen at once (EOF)
         try:

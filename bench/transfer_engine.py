@@ -1,5 +1,6 @@
 """Mooncake's transfer engine alone, over TCP on loopback, against this machine's
-ceilings measured in the same run.
+ceilings measured in the same run (or between two hosts: bench.hosts_link
+gives ``run`` the hosts' addresses and the receiver's network namespace).
 
 Two processes (bench.loopback, the harness of the plugin's transfer tests too):
 this one writes, a spawned receiver owns the destination buffer. For each size
@@ -83,12 +84,12 @@ def _socket_server(listener: socket.socket, buffer: np.ndarray) -> None:
 
 
 class Receiver(loopback.Endpoint):
-    """The receiving process: a registered buffer that a socket server also
-    writes into."""
+    """The receiving process: a registered buffer that a socket server (on
+    ``host`` too) also writes into."""
 
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self.listener = socket.create_server((HOST, 0))
+    def __init__(self, capacity: int, host: str = HOST) -> None:
+        super().__init__(capacity, host)
+        self.listener = socket.create_server((host, 0))
         threading.Thread(
             target=_socket_server, args=(self.listener, self.data), daemon=True
         ).start()
@@ -143,11 +144,17 @@ def run(
     progress: Callable[[str], None] = print,
     methods: Sequence[str] = METHODS,
     misaddress: int = 0,
+    sender_host: str = HOST,
+    receiver_host: str = HOST,
+    netns: str | None = None,
 ) -> list[Sample]:
     """Measure every method at every size; raises if any copy arrives wrong.
 
     ``misaddress`` shifts the engine's destination by that many bytes: a test's
     negative control, showing that the arrival check catches misplaced bytes.
+    Between hosts, the receiver runs in network namespace ``netns`` at
+    ``receiver_host`` and this process sends from ``sender_host`` (its
+    address on the link there); by default both are on loopback.
     """
     env = dict(env or {})
     capacity = max(sizes)
@@ -155,18 +162,26 @@ def run(
     # Both processes under ``env``: the receiver inherits it when spawned.
     with (
         mock.patch.dict(os.environ, env),
-        loopback.Peer(Receiver, capacity + misaddress, deadline_s=DEADLINE_S) as peer,
+        loopback.Peer(
+            Receiver,
+            capacity + misaddress,
+            receiver_host,
+            deadline_s=DEADLINE_S,
+            netns=netns,
+        ) as peer,
     ):
         session, remote_addr = peer.call("address")
         remote_addr += misaddress
-        sender = loopback.Endpoint(capacity)
+        sender = loopback.Endpoint(capacity, sender_host)
         sender.data[:] = np.random.default_rng(0).integers(
             0, 256, capacity, dtype=np.uint8
         )
         source, source_addr = sender.data, sender.base
         scratch = np.empty(capacity, dtype=np.uint8)
         sock = socket.create_connection(
-            (HOST, peer.call("socket_port")), timeout=DEADLINE_S
+            (receiver_host, peer.call("socket_port")),
+            timeout=DEADLINE_S,
+            source_address=(sender_host, 0),
         )
         source_view = memoryview(source)
 
