@@ -1,4 +1,5 @@
-"""Command line of the bench: ``python -m bench {run,transfer,checksum,report}``."""
+"""Command line of the bench:
+``python -m bench {run,transfer,hosts-link,checksum,report}``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 from bench import levels, report, settings
+from bench.hosts_link import HostsLinkError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +21,18 @@ def main(argv: list[str] | None = None) -> int:
     transfer.add_argument("--json", type=Path, help="write the samples here")
     transfer.add_argument(
         "--defaults-only", action="store_true", help="skip the tuned series"
+    )
+    hosts = sub.add_parser(
+        "hosts-link",
+        help="the transfer engine between two hosts (network namespaces, root), "
+        "unshaped and shaped, against a single TCP stream",
+    )
+    settings.add_arguments(hosts)
+    hosts.add_argument("--json", type=Path, help="write the results here")
+    hosts.add_argument(
+        "--rates",
+        default="unshaped,1gbit,5gbit",
+        help="link rates, tc syntax; `unshaped` for none",
     )
     check = sub.add_parser(
         "checksum",
@@ -60,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             if opts.json:
                 opts.json.write_text(json.dumps(transfer_engine.to_json(samples)))
             return 0
+        if opts.command == "hosts-link":
+            return _hosts_link(chosen, opts.rates, opts.json)
         if opts.command == "checksum" and opts.digest_only:
             from bench import kv_checksum
 
@@ -69,12 +85,31 @@ def main(argv: list[str] | None = None) -> int:
         chosen.run_dir.mkdir(parents=True, exist_ok=True)
         (run.checksum_only if opts.command == "checksum" else run.run)(chosen)
         return 0
-    except (settings.SettingsError, levels.ReportError) as exc:
+    except (settings.SettingsError, levels.ReportError, HostsLinkError) as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("bench: interrupted; servers it started were stopped", file=sys.stderr)
         return 130
+
+
+def _hosts_link(chosen: settings.Settings, rates: str, out: Path | None) -> int:
+    from bench import hosts_link
+
+    def show(line: str) -> None:
+        print(line, flush=True)
+
+    results = hosts_link.measure(
+        chosen.hosts_link_size,
+        chosen.hosts_link_repeats,
+        hosts_link.parse_rates(rates),
+        progress=show,
+    )
+    if out:
+        out.write_text(json.dumps(hosts_link.to_json(results)))
+    for line in hosts_link.markdown_table(results):
+        show(line)
+    return 1 if any(r.error for r in results) else 0
 
 
 if __name__ == "__main__":

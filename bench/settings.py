@@ -82,6 +82,9 @@ class Settings:
     overhead_requests: int
     transfer_sizes: tuple[int, ...]
     transfer_repeats: int
+    # The engine between hosts (bench.hosts_link): one size, a few repeats.
+    hosts_link_size: int
+    hosts_link_repeats: int
     cold_start: bool
     # The checksum's cost: a second P/D stack with it off (bench.kv_checksum).
     kv_checksum: bool
@@ -181,6 +184,12 @@ def add_arguments(
         default=_env(env, "BENCH_TRANSFER_SIZES", DEFAULT_TRANSFER_SIZES),
     )
     number("--transfer-repeats", "BENCH_TRANSFER_REPEATS", "5")
+    opt(
+        "--hosts-link-size",
+        default=_env(env, "BENCH_HOSTS_LINK_SIZE", "64M"),
+        help="bytes per transfer of the engine between hosts",
+    )
+    number("--hosts-link-repeats", "BENCH_HOSTS_LINK_REPEATS", "3")
     number(
         "--cold-start",
         "BENCH_COLD_START",
@@ -247,6 +256,8 @@ def from_args(args: argparse.Namespace) -> Settings:
         overhead_requests=args.overhead_requests,
         transfer_sizes=parse_sizes(args.transfer_sizes),
         transfer_repeats=max(1, args.transfer_repeats),
+        hosts_link_size=parse_size(args.hosts_link_size),
+        hosts_link_repeats=max(1, args.hosts_link_repeats),
         cold_start=bool(args.cold_start),
         kv_checksum=bool(args.kv_checksum),
         checksum_requests=args.checksum_requests,

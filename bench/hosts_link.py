@@ -1,0 +1,231 @@
+"""Mooncake's transfer engine between two hosts, against a single TCP stream
+over the same link, unshaped and shaped (``python -m bench hosts-link``).
+
+The hosts are pdstack.netns's: host ``recv`` is a network namespace on a
+private bridge (tag ``bl``, a /24 of its own), this process the other end,
+over the client link (root namespace -> bridge -> recv's veth). The
+measurement is bench.transfer_engine's, unchanged: the receiver (engine and
+socket server) in recv's namespace, the sender here; ``engine`` is one
+``batch_transfer_sync_write`` descriptor, ``socket`` one stream with a 1-byte
+acknowledgement per transfer, and every copy's arrival is checked by digest.
+For each rate, ``tc tbf`` on both ends of recv's link (``Network.shape``).
+
+Where the socket reaches ``LINK_LIMITED`` of the shaped rate, the link is the
+limit and the engine is judged against it; where the socket does not, the
+CPU is (2 cores: sender, receiver and the kernel's veth/bridge work share
+them), and the engine is reported, not judged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bench import loopback
+from bench import transfer_engine as te
+from bench.levels import fmt_pct, table
+from pdstack import netns
+
+TAG = "bl"  # its own /24; never "mh" (the multi-host twin) or "ut" (tests)
+HOST = "recv"
+DEFAULT_SIZE = 64 << 20
+DEFAULT_REPEATS = 3
+# None: the link unshaped (a veth pair through a bridge: no rate but the CPU's).
+RATES: tuple[str | None, ...] = (None, "1gbit", "5gbit")
+UNSHAPED = "unshaped"
+# The socket at this share of the rate or more: the link is the limit.
+LINK_LIMITED = 0.90
+METHODS = ("engine", "socket")
+
+
+class HostsLinkError(RuntimeError):
+    pass
+
+
+def rate_bps(rate: str | None) -> float | None:
+    """A tc rate ("1gbit") in bytes per second; None unshaped."""
+    return None if rate is None else netns._bits(rate) / 8
+
+
+def parse_rates(text: str) -> tuple[str | None, ...]:
+    """``unshaped,1gbit,5gbit`` -> (None, "1gbit", "5gbit")."""
+    out: list[str | None] = []
+    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
+        if part == UNSHAPED:
+            out.append(None)
+            continue
+        try:
+            netns._bits(part)
+        except ValueError as exc:
+            raise HostsLinkError(str(exc)) from None
+        out.append(part)
+    if not out:
+        raise HostsLinkError(f"no rates in {text!r} (e.g. unshaped,1gbit,5gbit)")
+    return tuple(out)
+
+
+@dataclass
+class Rate:
+    """One link rate's measurement: medians of the samples, bytes per second."""
+
+    rate: str | None
+    size: int
+    repeats: int
+    engine_bps: float = 0.0
+    socket_bps: float = 0.0
+    verified: bool = False
+    error: str = ""
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        if self.rate is None:
+            return UNSHAPED
+        bps = rate_bps(self.rate) or 0.0
+        return f"{bps * 8 / 1e9:g} Gbit/s"
+
+    @property
+    def link_bps(self) -> float | None:
+        return rate_bps(self.rate)
+
+    def _of_link(self, value: float) -> float | None:
+        link = self.link_bps
+        return value / link if link else None
+
+    @property
+    def engine_vs_link(self) -> float | None:
+        return self._of_link(self.engine_bps)
+
+    @property
+    def socket_vs_link(self) -> float | None:
+        return self._of_link(self.socket_bps)
+
+    @property
+    def engine_vs_socket(self) -> float | None:
+        return self.engine_bps / self.socket_bps if self.socket_bps else None
+
+    @property
+    def link_limited(self) -> bool:
+        """The link, not the CPU, is the limit: the socket fills it."""
+        share = self.socket_vs_link
+        return share is not None and share >= LINK_LIMITED
+
+    @property
+    def cpu_bound(self) -> bool:
+        """Unshaped (no rate but the CPU's), or the socket short of the rate
+        too; not claimed for a rate that failed."""
+        return not self.error and not self.link_limited
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "rate": self.rate,
+            "link_bps": self.link_bps,
+            "engine_bps": self.engine_bps,
+            "socket_bps": self.socket_bps,
+            "engine_vs_link": self.engine_vs_link,
+            "socket_vs_link": self.socket_vs_link,
+            "engine_vs_socket": self.engine_vs_socket,
+            "cpu_bound": self.cpu_bound,
+            "verified": self.verified,
+            "error": self.error,
+        }
+
+
+def measure(
+    size: int = DEFAULT_SIZE,
+    repeats: int = DEFAULT_REPEATS,
+    rates: Sequence[str | None] = RATES,
+    progress: Callable[[str], None] = print,
+    network: netns.Network | None = None,
+) -> list[Rate]:
+    """Each rate in turn on one network, built here and removed at the end
+    (also when a measurement fails: that rate records its error)."""
+    if reason := netns.missing_privileges():
+        raise HostsLinkError(f"cannot build hosts: {reason}")
+    net = network or netns.Network(TAG, [HOST])
+    out: list[Rate] = []
+    try:
+        net.create()
+        host = net[HOST]
+        for rate in rates:
+            result = Rate(rate, size, repeats)
+            out.append(result)
+            progress(f"  link {result.label} ({net.client_address} -> {host.address})")
+            try:
+                net.shape(HOST, rate)
+                samples = te.run(
+                    [size],
+                    repeats,
+                    progress=progress,
+                    methods=METHODS,
+                    sender_host=net.client_address,
+                    receiver_host=host.address,
+                    netns=host.netns,
+                )
+            except (te.TransferBenchError, loopback.PeerError, OSError) as exc:
+                result.error = f"{type(exc).__name__}: {exc}"
+                progress(f"  link {result.label} failed: {result.error}")
+                continue
+            by_method = {s.method: s for s in samples}
+            result.engine_bps = by_method["engine"].median_bps()
+            result.socket_bps = by_method["socket"].median_bps()
+            result.verified = all(s.verified for s in samples)
+            result.samples = te.to_json(samples)
+    finally:
+        net.remove()
+    return out
+
+
+def to_json(rates: Sequence[Rate]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in rates]
+
+
+def from_json(data: Sequence[Mapping[str, Any]]) -> list[Rate]:
+    return [Rate(**dict(item)) for item in data]
+
+
+def limit(r: Rate) -> str:
+    """What limits the rate, in words (the report's last column)."""
+    if r.error:
+        return f"failed: {r.error[:120]}"
+    if r.rate is None:
+        return "CPU (no shaping)"
+    if r.link_limited:
+        return "the link"
+    return f"CPU-bound: the socket reaches only {fmt_pct(r.socket_vs_link)} too"
+
+
+def markdown_table(rates: Sequence[Rate]) -> list[str]:
+    def gbps(value: float | None) -> str:
+        return "n/a" if value is None else f"{value / 1e9:.3f}"
+
+    def cells(r: Rate) -> list[str]:
+        return [
+            r.label, gbps(r.link_bps), gbps(r.engine_bps), gbps(r.socket_bps),
+            fmt_pct(r.engine_vs_link), fmt_pct(r.socket_vs_link),
+            fmt_pct(r.engine_vs_socket), limit(r),
+        ]  # fmt: skip
+
+    head = [
+        "link", "link GB/s", "engine GB/s", "socket GB/s", "engine / link",
+        "socket / link", "engine / socket", "limited by",
+    ]  # fmt: skip
+    return table(head, map(cells, rates))
+
+
+def markdown(rates: Sequence[Rate]) -> list[str]:
+    """The report's section (empty without a measurement)."""
+    if not rates:
+        return []
+    r = rates[0]
+    return [
+        "## Mooncake transfer engine between hosts (network namespaces, veth "
+        "through a bridge, `tc tbf` on the receiver's link)",
+        "",
+        f"{r.size / (1 << 20):g} MiB per transfer, {r.repeats} repeats, medians; "
+        "engine: one descriptor; socket: one TCP stream, 1-byte acknowledgement; "
+        f"the link is the limit where the socket reaches {LINK_LIMITED:.0%} of it.",
+        "",
+        *markdown_table(rates),
+    ]
