@@ -6,7 +6,8 @@ can be rebuilt (``python -m bench report DIR``) and tested on recorded runs:
 - ``raw/<target>-in<L>-c<C>.json``: ``vllm bench serve --save-detailed``
   results (``.status.json``: how the level ended; ``.kv.json``: the prefill's
   transfer counters over a P/D level);
-- ``transfer_engine.json``, ``router_overhead.json``, ``startup.json``,
+- ``transfer_engine.json``, ``hosts_link.json`` (the engine between hosts),
+  ``router_overhead.json``, ``startup.json``,
   ``memory.json``, ``meta.json``: the other measurements and the settings.
 
 The levels and how figures print are bench.levels; the targets are judged in
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import hosts_link as hl
 from bench import kv_checksum, kv_transfer
 from bench import transfer_engine as te
 from bench.levels import (
@@ -170,6 +172,7 @@ class Run:
     memory: Mapping[str, Any] | None
     model: kv_layout.KVLayout | None
     checksum: kv_checksum.Result | None
+    hosts_link: list[hl.Rate]
     checks: list[Target]
 
     @classmethod
@@ -182,6 +185,7 @@ class Run:
         overhead = _read(run_dir / "router_overhead.json")
         memory = _read(run_dir / "memory.json")
         checksum = kv_checksum.read(run_dir)
+        hosts_link = hl.from_json(_read(run_dir / "hosts_link.json") or [])
         return cls(
             meta=_read(run_dir / "meta.json") or {},
             pairs=pairs,
@@ -192,7 +196,8 @@ class Run:
             memory=memory,
             model=kv_transfer.layout_from_json(_read(run_dir / "kv_layout.json")),
             checksum=checksum,
-            checks=judge(pairs, overhead, comparisons, memory, checksum),
+            hosts_link=hosts_link,
+            checks=judge(pairs, overhead, comparisons, memory, checksum, hosts_link),
         )
 
 
@@ -220,6 +225,7 @@ def summary(run: Run) -> dict[str, Any]:
             k: v for k, v in (run.overhead or {}).items() if k != "samples"
         },
         "transfer_engine": [asdict(c) for c in run.comparisons],
+        "hosts_link": [r.summary() for r in run.hosts_link],
         "kv_checksum": kv_checksum.summary(run.checksum),
     }
 
@@ -304,6 +310,8 @@ def markdown(run: Run, plotted: bool) -> str:
             "",
             *engine_table(comparisons),
         ]
+    if run.hosts_link:
+        out += ["", *hl.markdown(run.hosts_link)]
     if overhead:
         out += ["", "## Router overhead", ""]
         for label, data in (

@@ -2,7 +2,8 @@
 
 On the CPU twin (no URLs given) the bench starts and stops its own servers:
 
-1. the transfer-engine micro-benchmark, on a quiet machine;
+1. the transfer-engine micro-benchmark, on a quiet machine; then the engine
+   between two hosts (bench.hosts_link: network namespaces, root only);
 2. the P/D stack from an empty model cache (cold: generation included), stopped;
 3. the P/D stack again with the model cached: kept, its memory sampled;
 4. the colocated server beside it (idle while P/D runs, and the reverse);
@@ -48,7 +49,7 @@ from bench import (
 )
 from bench.settings import Settings
 from bench.vllm_bench import Level, Plan
-from pdstack import config, supervisor, wait
+from pdstack import config, netns, supervisor, wait
 from pdstack import metrics as m
 from pdstack.supervisor import Urls
 
@@ -56,6 +57,8 @@ SWEEP_MARGIN_S = 300.0
 # Router vs direct on stub backends: ~2 ms a pair.
 STUB_PAIRS = 500
 TRANSFER_DEADLINE_S = 900.0
+# Three link rates, each a receiver started and 2 x (1 + repeats) transfers.
+HOSTS_LINK_DEADLINE_S = 600.0
 # The digest alone: importing vLLM (~20 s of CPU), 0.5 GiB of tensors, seconds.
 DIGEST_DEADLINE_S = 300.0
 
@@ -113,6 +116,22 @@ def transfer_engine_step(s: Settings, out: Path, progress: Clock) -> None:
         "--transfer-sizes", sizes, "--transfer-repeats", str(s.transfer_repeats),
     ]  # fmt: skip
     _bench_subprocess(args, out / "transfer_engine.log", TRANSFER_DEADLINE_S, progress)
+
+
+def hosts_link_step(s: Settings, out: Path, progress: Clock) -> str | None:
+    """The engine between hosts, in a subprocess like the transfer step;
+    returns why it was skipped (no root, no iproute2), for the report's notes."""
+    if reason := netns.missing_privileges():
+        progress(f"engine between hosts skipped: {reason}")
+        return f"engine between hosts (bench.hosts_link) not measured: {reason}"
+    progress("transfer engine between hosts (netns, unshaped, 1 and 5 Gbit/s)")
+    args = [
+        "hosts-link", "--json", str(out / "hosts_link.json"),
+        "--hosts-link-size", str(s.hosts_link_size),
+        "--hosts-link-repeats", str(s.hosts_link_repeats),
+    ]  # fmt: skip
+    _bench_subprocess(args, out / "hosts_link.log", HOSTS_LINK_DEADLINE_S, progress)
+    return None
 
 
 def digest_step(s: Settings, out: Path, progress: Clock) -> None:
@@ -336,6 +355,8 @@ def run(s: Settings) -> Path:
     out, meta = _start(s, progress)
     raw = out / "raw"
     transfer_engine_step(s, out, progress)
+    if skipped := hosts_link_step(s, out, progress):
+        meta["notes"].append(skipped)
     startup: dict[str, float] = {}
     peak: memory.Peak | None = None
     own = stack.processes(s.run_dir, progress) if s.urls is None else None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import hosts_link as hl
 from bench import kv_checksum
 from bench import transfer_engine as te
 from bench.levels import GIB, MIB, Pair, fmt, fmt_pct, ratio
@@ -27,6 +28,7 @@ ENGINE_LARGE_BYTES = 64 * MIB
 MEMORY_TARGET_BYTES = 6 * GIB
 CHECKSUM_SHARE_TARGET = 0.02
 CHECKSUM_INPUT_LEN = 4096
+HOSTS_LINK_TARGET = 0.90
 DOC = Path(__file__).resolve().parent.parent / "docs" / "bench.md"
 ADVICE_HEADING = "## Where a target is missed"
 
@@ -265,12 +267,57 @@ def _checksum_target(result: kv_checksum.Result | None) -> Target:
     )
 
 
+def _hosts_link_target(rates: Sequence[hl.Rate]) -> Target:
+    """The engine against the shaped rate, judged only where the link is the
+    limit (the socket reaches hl.LINK_LIMITED of it); a failed rate misses."""
+    name = "Engine between hosts vs shaped link"
+    target = f">= {HOSTS_LINK_TARGET:.0%} where the link is the limit"
+    shaped = [r for r in rates if r.rate is not None]
+    if not shaped:
+        return Target(name, target, "not measured", None)
+    # The rest are CPU-bound: their figures say so, no verdict.
+    judged = [r for r in shaped if r.link_limited or r.error]
+    parts = []
+    for r in shaped:
+        if r.error:
+            parts.append(f"{r.label}: failed ({r.error[:120]})")
+        elif r.link_limited:
+            parts.append(
+                f"{r.label}: {fmt_pct(r.engine_vs_link)} ({r.engine_bps / 1e9:.3f} "
+                f"GB/s; socket {fmt_pct(r.socket_vs_link)})"
+            )
+        else:
+            parts.append(
+                f"{r.label} not judged, {hl.limit(r)} "
+                f"(engine {fmt_pct(r.engine_vs_link)})"
+            )
+    unshaped = [r for r in rates if r.rate is None and not r.error]
+    others = [
+        f"unshaped: engine {r.engine_bps / 1e9:.2f} vs socket "
+        f"{r.socket_bps / 1e9:.2f} GB/s ({fmt_pct(r.engine_vs_socket)})"
+        for r in unshaped
+    ]
+    reached = [not r.error and (r.engine_vs_link or 0) >= HOSTS_LINK_TARGET
+               for r in judged]  # fmt: skip
+    met = all(reached) if judged else None
+    worst = min((r.engine_vs_link or 0.0 for r in judged), default=0.0)
+    return Target(
+        name,
+        target,
+        "; ".join(parts),
+        met,
+        "; ".join(others),
+        advice("Engine between hosts", share=fmt_pct(worst)) if met is False else "",
+    )
+
+
 def judge(
     pairs: Sequence[Pair],
     overhead: Mapping[str, Any] | None,
     comparisons: Sequence[te.Comparison],
     memory: Mapping[str, Any] | None,
     checksum: kv_checksum.Result | None = None,
+    hosts_link: Sequence[hl.Rate] = (),
 ) -> list[Target]:
     return [
         _kv_share_target(pairs),
@@ -279,4 +326,5 @@ def judge(
         _memory_target(memory),
         _checksum_target(checksum),
         _stall_target(pairs),
+        _hosts_link_target(hosts_link),
     ]

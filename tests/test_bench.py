@@ -317,7 +317,7 @@ def test_report_from_a_recorded_run(run_dir: Path) -> None:
     assert summary["layout_checks_ok"] is True
     assert "| 128 | 1 |" in text and "OK: " in text
     names = [t["name"] for t in summary["targets"]]
-    assert len(names) == 6 and any("Router" in n for n in names)
+    assert len(names) == 7 and any("Router" in n for n in names)
     png = run_dir / "report.png"
     try:
         import matplotlib  # noqa: F401  (requirements/bench.txt)

@@ -1,5 +1,6 @@
-"""The engine between hosts (bench.hosts_link): recorded JSON read back and
-classified, and one real, quick measurement between network namespaces.
+"""The engine between hosts (bench.hosts_link): its target and report table
+from recorded JSON, each verdict with a negative control, and one real, quick
+measurement between network namespaces.
 
 The fixture (bench/fixtures/small-run/hosts_link.json) is a real
 `python -m bench hosts-link` at 8 MiB x 2 on a busy machine: unshaped,
@@ -9,13 +10,17 @@ reaches 83% of it: CPU-bound, not judged).
 
 from __future__ import annotations
 
+import argparse
 import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench import hosts_link as hl
-from bench import loopback
+from bench import loopback, report
+from bench.targets import HOSTS_LINK_TARGET, judge
 from pdstack import netns
 
 FIXTURE = Path(__file__).resolve().parent.parent / "bench" / "fixtures" / "small-run"
@@ -23,6 +28,22 @@ RECORDED = json.loads((FIXTURE / "hosts_link.json").read_text())
 # The real test's own tag (not "bl", which `make bench` uses, nor "mh"/"ut").
 TEST_TAG = "blt"
 REASON = netns.missing_privileges()
+HOSTS_TARGET = 6
+
+
+def rates(**changes: dict[str, Any]) -> list[hl.Rate]:
+    """The recorded rates, with fields of some changed (by rate name)."""
+    out = []
+    for item in RECORDED:
+        name = item["rate"] or hl.UNSHAPED
+        out.append(hl.Rate(**{**item, **changes.get(name, {})}))
+    return out
+
+
+def verdict(data: list[hl.Rate]) -> Any:
+    target = judge([], None, [], None, None, data)[HOSTS_TARGET]
+    assert target.name.startswith("Engine between hosts")
+    return target
 
 
 def test_recorded_rates_round_trip_and_classify() -> None:
@@ -40,6 +61,71 @@ def test_recorded_rates_round_trip_and_classify() -> None:
     assert hl.parse_rates("unshaped, 1gbit,500mbit") == (None, "1gbit", "500mbit")
     with pytest.raises(hl.HostsLinkError):
         hl.parse_rates("1gbps")
+
+
+def test_target_judges_only_where_the_link_is_the_limit() -> None:
+    target = verdict(rates())
+    assert target.met is True and target.advice == ""
+    assert "1 Gbit/s: 95.2%" in target.measured
+    # 5 Gbit/s: the socket short of the rate too, so reported with why.
+    assert "5 Gbit/s not judged, CPU-bound: the socket reaches only 83.5% too" in (
+        target.measured
+    )
+    assert "unshaped: engine 0.71 vs socket 0.72 GB/s" in target.note
+    # Nothing measured: unresolved.
+    assert verdict([]).met is None and verdict([]).measured == "not measured"
+    assert judge([], None, [], None)[HOSTS_TARGET].met is None
+
+
+def test_target_negative_controls() -> None:
+    """The engine at half a link the socket fills misses; so does a failed
+    rate; a slow engine where the CPU is the limit is not judged."""
+    half = rates(**{"1gbit": {"engine_bps": 0.5 * 125e6}})
+    target = verdict(half)
+    assert target.met is False and "1 Gbit/s: 50.0%" in target.measured
+    assert "50.0% of the rate" in target.advice
+    failed = rates(**{"1gbit": {"error": "PeerError: Receiver exited (1)"}})
+    assert verdict(failed).met is False and "failed" in verdict(failed).measured
+    cpu = rates(**{"1gbit": {"engine_bps": 0.5 * 125e6, "socket_bps": 0.6 * 125e6}})
+    target = verdict(cpu)
+    assert target.met is None
+    assert "1 Gbit/s not judged, CPU-bound: the socket reaches only 60.0% too" in (
+        target.measured
+    )
+    # Just at the target and just under it.
+    at = HOSTS_LINK_TARGET * 125e6
+    assert verdict(rates(**{"1gbit": {"engine_bps": at}})).met is True
+    assert verdict(rates(**{"1gbit": {"engine_bps": at * 0.99}})).met is False
+
+
+def test_report_renders_the_hosts_table(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(FIXTURE, run_dir)
+    summary = report.build(run_dir)
+    text = (run_dir / "report.md").read_text()
+    assert "## Mooncake transfer engine between hosts" in text
+    one = next(r for r in RECORDED if r["rate"] == "1gbit")
+    row = next(line for line in text.splitlines() if line.startswith("| 1 Gbit/s |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:4] == [
+        "0.125",
+        f"{one['engine_bps'] / 1e9:.3f}",
+        f"{one['socket_bps'] / 1e9:.3f}",
+    ]
+    assert cells[-1] == "the link"
+    assert any(line.startswith("| 5 Gbit/s |") and "CPU-bound" in line
+               for line in text.splitlines())  # fmt: skip
+    assert "| unshaped | n/a |" in text
+    got = {r["rate"]: r for r in summary["hosts_link"]}
+    assert got["5gbit"]["cpu_bound"] is True and got["1gbit"]["cpu_bound"] is False
+    assert summary["targets"][HOSTS_TARGET]["met"] is True
+    # Negative control: without the measurement, no table and no verdict.
+    (run_dir / "hosts_link.json").unlink()
+    summary = report.build(run_dir)
+    assert "## Mooncake transfer engine between hosts" not in (
+        (run_dir / "report.md").read_text()
+    )
+    assert summary["targets"][HOSTS_TARGET]["met"] is None
 
 
 def test_a_peer_in_a_missing_namespace_says_so() -> None:
@@ -68,3 +154,26 @@ def test_engine_and_socket_between_hosts_for_real() -> None:
     assert result.engine_vs_link is not None and result.engine_vs_link < 1.5
     assert result.socket_vs_link is not None and result.socket_vs_link < 1.5
     assert not [ns for ns in netns.namespaces() if ns.startswith(net.base)]
+
+
+def test_make_bench_step_runs_the_subcommand_or_says_why_not(tmp_path: Path) -> None:
+    from unittest import mock
+
+    from bench import run, settings
+
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser, env={})
+    chosen = settings.from_args(parser.parse_args(["--hosts-link-size", "8M"]))
+    calls: list[list[str]] = []
+    with mock.patch.object(run, "_bench_subprocess", lambda a, *_: calls.append(a)):
+        with mock.patch.object(netns, "missing_privileges", lambda: "uid 65534"):
+            note = run.hosts_link_step(chosen, tmp_path, lambda _: None)
+        assert note is not None and "not measured: uid 65534" in note and not calls
+        with mock.patch.object(netns, "missing_privileges", lambda: None):
+            assert run.hosts_link_step(chosen, tmp_path, lambda _: None) is None
+    (args,) = calls
+    assert args[:3] == ["hosts-link", "--json", str(tmp_path / "hosts_link.json")]
+    assert args[3:] == ["--hosts-link-size", str(8 << 20), "--hosts-link-repeats", "3"]
+    # What the step passes, the subcommand parses.
+    parsed = settings.from_args(parser.parse_args(args[3:]))
+    assert (parsed.hosts_link_size, parsed.hosts_link_repeats) == (8 << 20, 3)
