@@ -337,13 +337,10 @@ class PDMooncakeConnectorWorker(
             # next wait is shortened by it, so a silent prefill is failed as
             # soon as a refusing one (REFUSALS_TO_FAIL probes, one interval
             # apart).
-            timeout_s = min(1.0, interval / 2)
-            reason = await reliability.prefill_gone(bootstrap, timeout_s)
-            if reason is None and (
-                reason := await reliability.engine_moved(
-                    bootstrap, engine_id, worker_addr, timeout_s
-                )
-            ):
+            reason, moved = await reliability.probe_pull(
+                bootstrap, engine_id, worker_addr, min(1.0, interval / 2)
+            )
+            if moved:
                 # Proof at once: the next pull asks the bootstrap server anew.
                 self._remote_agents.pop(engine_id, None)
                 break

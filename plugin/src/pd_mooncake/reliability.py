@@ -296,6 +296,17 @@ async def engine_moved(
     )
 
 
+async def probe_pull(
+    url: str, engine_id: str, worker_addr: str, timeout_s: float
+) -> tuple[str | None, bool]:
+    """Why a pull to ``worker_addr`` may never be answered (None: no proof),
+    and whether its engine moved (proof at once, unlike a silent host)."""
+    if reason := await prefill_gone(url, timeout_s):
+        return reason, False
+    moved = await engine_moved(url, engine_id, worker_addr, timeout_s)
+    return moved, moved is not None
+
+
 async def refuses_connections(url: str, timeout_s: float = 1.0) -> bool:
     """True if ``url``'s port is refused (the old probe's question)."""
     return (await prefill_gone(url, timeout_s)) == "refuses connections"
