@@ -68,6 +68,12 @@ down-cpu: ## Stop the CPU twin's processes
 up-hosts: install ## The multi-host twin (root): 2 prefills, 2 decodes, the router, each on its own network namespace
 	$(PY) -m pdstack.hosts up --profile $(PROFILE)
 
+# The multi-host twin's slower cases (a silent prefill host, one of two
+# prefills or decodes killed) beside the ones `make test` runs.
+.PHONY: test-hosts
+test-hosts: install ## All multi-host twin cases (root), the slower ones included (~6 min)
+	PD_HOSTS_SLOW=1 $(PY) -m pytest e2e/test_hosts.py $(PYTEST_ARGS)
+
 .PHONY: down-hosts
 down-hosts: ## Stop the multi-host twin and remove its namespaces
 	@test -x $(PY) && $(PY) -m pdstack.hosts down || true

@@ -10,6 +10,7 @@ while this module runs, before the fault suite's.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -70,8 +71,10 @@ def _state(twin: hosts.HostsTwin, names: list[str]) -> dict[str, float]:
     return now
 
 
-def wait_idle(h: Hosts, names: list[str] | None = None) -> dict[str, float]:
-    """Leaks left after the idle bound (empty: none)."""
+def wait_idle(
+    h: Hosts, names: list[str] | None = None, deadline_s: float | None = None
+) -> dict[str, float]:
+    """Leaks left after ``deadline_s`` (default the idle bound; empty: none)."""
     chosen = names or h.all_servers()
 
     def leaks() -> dict[str, float]:
@@ -79,7 +82,11 @@ def wait_idle(h: Hosts, names: list[str] | None = None) -> dict[str, float]:
         return {k: v for k, v in now.items() if abs(v - h.idle.get(k, 0.0)) > 1e-9}
 
     return wait.poll_last(
-        leaks, lambda found: not found, h.bounds["idle"], "hosts idle", 0.5
+        leaks,
+        lambda found: not found,
+        deadline_s or h.bounds["idle"],
+        "hosts idle",
+        0.5,
     )[1]
 
 
@@ -281,4 +288,115 @@ def test_a_slow_link_slows_transfers_but_keeps_them_exact(stack_hosts: Hosts) ->
     assert [g.status for g in got] == [200] * len(bodies)
     assert [g.token_ids for g in got] == expected
     assert moved > 0 and seconds >= 0.9 * floor_s
+    assert leaks == {}
+
+
+# --- slower cases: `make test-hosts` (PD_HOSTS_SLOW=1), not `make test` ------------
+
+SLOW_ENV = "PD_HOSTS_SLOW"
+slow = pytest.mark.skipif(
+    os.environ.get(SLOW_ENV) != "1",
+    reason=f"a slower multi-host case: `make test-hosts` ({SLOW_ENV}=1) runs it",
+)
+
+
+def _direct_pull_seconds(
+    h: Hosts, engine_id: str, bootstrap: str, salt: int
+) -> tuple[int | None, float]:
+    """A request sent straight to decode-0 whose KV is to come from
+    ``engine_id`` at ``bootstrap`` (under a transfer id no prefill knows):
+    (HTTP status, seconds until decode's terminal answer)."""
+    body = greedy(h.reference.prompt(24, salt=salt), 4)
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": f"hosts-{salt}",
+        "remote_engine_id": engine_id,
+        "remote_bootstrap_addr": bootstrap,
+    }
+    got = post(
+        h.twin.url("decode-0"), {**body, "kv_transfer_params": params}, timeout=120
+    )
+    return got.status, got.seconds
+
+
+@slow
+def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(
+    stack_hosts: Hosts,
+) -> None:
+    """prefill-1's link down and left down (a host gone silent: no refusal,
+    no answer): decode fails a pull from it within the bound of a refusing
+    host. Then prefill-1 killed (its port refuses) for comparison, and one of
+    two prefills dead: new requests through the router all succeed on the
+    other one within the router's health interval."""
+    h = stack_hosts
+    serves_exactly_on_every_replica(h, salt=6500)  # decode-0 knows prefill-1
+    bootstrap = "http://prefill-1:" + str(h.twin.ports.bootstrap)
+    h.twin.net.link("prefill-1", False)
+    try:
+        silent_status, silent_s = _direct_pull_seconds(h, "prefill-1", bootstrap, 6510)
+    finally:
+        h.twin.net.link("prefill-1", True)
+    h.twin.kill("prefill-1")
+    try:
+        dead_status, dead_s = _direct_pull_seconds(h, "prefill-1", bootstrap, 6511)
+        # The router's health checks (faults.yaml: every 2 s) drop prefill-1.
+        start = time.monotonic()
+        body = greedy(h.reference.prompt(30, salt=6512), 4)
+        (expected,) = references(h, [body])
+        streak = 0
+        while streak < 4 and time.monotonic() - start < h.bounds["recovery"]:
+            got = post(h.twin.router, body, timeout=h.bounds["request"])
+            streak = (
+                streak + 1 if got.status == 200 and got.token_ids == expected else 0
+            )
+        only_one_s = time.monotonic() - start
+    finally:
+        h.twin.start("prefill-1", again=True)
+    serves_exactly_on_every_replica(h, salt=6520)
+    leaks = wait_idle(h)
+    print(
+        f"pull from a silent prefill host: HTTP {silent_status} in {silent_s:.1f}s; "
+        f"from a dead one: HTTP {dead_status} in {dead_s:.1f}s; four exact answers "
+        f"in a row through the router {only_one_s:.1f}s after the kill"
+    )
+    assert silent_status is not None and silent_status >= 400
+    assert dead_status is not None and dead_status >= 400
+    assert silent_s <= dead_s + 2.0 and silent_s < h.bounds["error_after_kill"]
+    assert streak >= 4, f"router still failing {only_one_s:.0f}s after the kill"
+    assert leaks == {}
+
+
+@slow
+def test_one_of_two_decodes_killed(stack_hosts: Hosts) -> None:
+    """decode-1 killed: requests through the router succeed again on
+    decode-0 within the router's health interval, and decode-1 restarted
+    serves again without restarting anything else."""
+    h = stack_hosts
+    h.twin.kill("decode-1")
+    body = greedy(h.reference.prompt(30, salt=6600), 4)
+    (expected,) = references(h, [body])
+    start = time.monotonic()
+    statuses: list[int | None] = []
+    try:
+        streak = 0
+        while streak < 4 and time.monotonic() - start < h.bounds["recovery"]:
+            got = post(h.twin.router, body, timeout=h.bounds["request"])
+            statuses.append(got.status)
+            streak = (
+                streak + 1 if got.status == 200 and got.token_ids == expected else 0
+            )
+        only_one_s = time.monotonic() - start
+    finally:
+        h.twin.start("decode-1", again=True)
+    recovered_s = serves_exactly_on_every_replica(h, salt=6610)
+    # A prefill leg whose decode leg met the dead decode holds its KV until
+    # prefill's abort timeout, as on one host (the fault suite's decode kill).
+    abort_s = float(h.twin.role_env["prefill"]["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"])
+    leaks = wait_idle(h, deadline_s=abort_s + h.bounds["idle"])
+    print(
+        f"decode-1 killed: statuses {statuses}, four exact in a row after "
+        f"{only_one_s:.1f}s; restarted, every replica exact {recovered_s:.1f}s later"
+    )
+    assert streak >= 4
     assert leaks == {}
