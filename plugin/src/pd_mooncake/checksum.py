@@ -38,12 +38,12 @@ every host). Why this one:
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import functools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -88,10 +88,11 @@ class XferResponse(upstream.MooncakeXferResponse, omit_defaults=True):
     pd_kv_regions: list[str] | None = None
 
 
-# Prefill: digests of the requests of the send being built, until its
-# answer is encoded (the same task: upstream's send_kv_to_decode awaits
-# _build_transfer_params, sends, then encodes its answer).
-_PENDING: contextvars.ContextVar[dict[str, list] | None] = contextvars.ContextVar(
+# Prefill: digests of the requests of the send being built (computing while
+# the bytes are on their way), until its answer is encoded (the same task:
+# upstream's send_kv_to_decode awaits _build_transfer_params, sends, then
+# encodes its answer).
+_PENDING: contextvars.ContextVar[dict[str, Future] | None] = contextvars.ContextVar(
     "pd_kv_digests", default=None
 )
 
@@ -231,7 +232,10 @@ class Encoder:
         elif type(obj) is upstream.MooncakeXferResponse and obj.ok_reqs:
             pending = _PENDING.get()
             if pending:
-                digests = {r: pending.pop(r) for r in obj.ok_reqs if r in pending}
+                # Done long since, as a rule: the transfer takes longer.
+                digests = {
+                    r: pending.pop(r).result() for r in obj.ok_reqs if r in pending
+                }
                 if digests:
                     obj = XferResponse(
                         **msgspec.structs.asdict(obj),
@@ -255,6 +259,8 @@ class ChecksumWorker:
             )
         self._kv_pages: list[torch.Tensor] | None = None
         self._checksum_refused: set[str] = set()
+        # One thread: digests of one send after another, beside the sends.
+        self._digest_pool = ThreadPoolExecutor(1, "pd-kv-digest")
         # Both decoders tolerate either side's messages: a prefill with the
         # check off still reads (and refuses) a decode that wants digests.
         self._xfer_meta_decoder = msgspec.msgpack.Decoder(XferMetadata)
@@ -367,11 +373,11 @@ class ChecksumWorker:
             if d_req_id not in failed
         }
         # The bytes do not change while they are sent (prefill holds the
-        # blocks until decode has them), so the digests can come first.
-        loop = asyncio.get_running_loop()
+        # blocks until decode has them), so the digests are computed while
+        # they travel, not before (the answer waits for them).
         _PENDING.set(
             {
-                d_req_id: await loop.run_in_executor(None, self._kv_digests, ids)
+                d_req_id: self._digest_pool.submit(self._kv_digests, ids)
                 for d_req_id, ids in sent.items()
                 if any(ids)
             }
