@@ -45,7 +45,7 @@ class HostsLinkError(RuntimeError):
 
 def rate_bps(rate: str | None) -> float | None:
     """A tc rate ("1gbit") in bytes per second; None unshaped."""
-    return None if rate is None else netns._bits(rate) / 8
+    return None if rate is None else netns.rate_bits(rate) / 8
 
 
 def parse_rates(text: str) -> tuple[str | None, ...]:
@@ -56,7 +56,7 @@ def parse_rates(text: str) -> tuple[str | None, ...]:
             out.append(None)
             continue
         try:
-            netns._bits(part)
+            netns.rate_bits(part)
         except ValueError as exc:
             raise HostsLinkError(str(exc)) from None
         out.append(part)

@@ -252,7 +252,7 @@ class Network:
             self._in(netns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
             if rate is not None:
                 # A burst of 1 ms at the rate (at least 64 KiB); queue 50 ms.
-                burst = max(64 * 1024, _bits(rate) // 8 // 1000)
+                burst = max(64 * 1024, rate_bits(rate) // 8 // 1000)
                 self._in(
                     netns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                     "rate", rate, "burst", str(burst), "latency", "50ms",
@@ -269,7 +269,8 @@ def subnet_of(tag: str) -> ipaddress.IPv4Network:
     return ipaddress.IPv4Network((start, 24))
 
 
-def _bits(rate: str) -> int:
+def rate_bits(rate: str) -> int:
+    """Bits per second of a tc rate such as "1gbit" or "500mbit"."""
     units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
     for unit, factor in units.items():
         if rate.endswith(unit):
