@@ -241,6 +241,11 @@ def build(run_dir: Path) -> dict[str, Any]:
     return data
 
 
+def section(title: str, body: Sequence[str]) -> list[str]:
+    """A report section: a blank line, its heading, a blank line, ``body``."""
+    return ["", f"## {title}", "", *body]
+
+
 def markdown(run: Run, plotted: bool) -> str:
     meta, checks, pairs, status = run.meta, run.checks, run.pairs, run.status
     comparisons, overhead, memory = run.comparisons, run.overhead, run.memory
@@ -295,21 +300,17 @@ def markdown(run: Run, plotted: bool) -> str:
         ]
     if plotted:
         out += ["", "![latency, throughput and transfer engine](report.png)"]
-    out += [
-        "",
-        "## KV transfer (prefill's Mooncake metrics, per P/D level)",
-        "",
-        *kv_table(pairs, run.model),
-    ]
+    out += section(
+        "KV transfer (prefill's Mooncake metrics, per P/D level)",
+        kv_table(pairs, run.model),
+    )
     if run.checksum:
         out += ["", *kv_checksum.markdown(run.checksum)]
     if comparisons:
-        out += [
-            "",
-            "## Mooncake transfer engine alone (TCP, loopback, two processes)",
-            "",
-            *engine_table(comparisons),
-        ]
+        out += section(
+            "Mooncake transfer engine alone (TCP, loopback, two processes)",
+            engine_table(comparisons),
+        )
     if run.hosts_link:
         out += ["", *hl.markdown(run.hosts_link)]
     if overhead:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import E2E_RUN_DIR, Stack
-from faults_helpers import RUNNING, WAITING, greedy, post, settings
+from faults_helpers import RUNNING, WAITING, Outcome, greedy, post, settings
 from pdstack import config, hosts, wait
 from pdstack import metrics as m
 
@@ -135,6 +134,23 @@ def references(h: Hosts, bodies: list[dict]) -> list[list[int]]:
     return [a.token_ids or [] for a in answers]
 
 
+def in_flight_while(
+    h: Hosts, bodies: list[dict], fault: Callable[[], None]
+) -> tuple[list[Outcome], float]:
+    """``bodies`` sent through the router at once while ``fault`` runs
+    beside them: the outcomes, and the seconds from the fault's end until
+    the last terminal answer."""
+    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+        futures = [
+            pool.submit(post, h.twin.router, b, timeout=h.bounds["request"])
+            for b in bodies
+        ]
+        fault()
+        done_at = time.monotonic()
+        got = [f.result() for f in futures]
+    return got, time.monotonic() - done_at
+
+
 def test_xpyd_every_replica_serves_exact_answers(stack_hosts: Hosts) -> None:
     """8 requests through the router, one at a time: each equal to the
     colocated reference, both prefills and both decodes served, one transfer
@@ -225,17 +241,14 @@ def test_a_partitioned_prefill_host_heals(stack_hosts: Hosts) -> None:
     h = stack_hosts
     bodies = [greedy(h.reference.prompt(600, salt=6200 + i), 8) for i in range(8)]
     expected = references(h, bodies)
-    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
-        futures = [
-            pool.submit(post, h.twin.router, b, timeout=h.bounds["request"])
-            for b in bodies
-        ]
-        cut = threading.Timer(0.5, h.twin.net.link, ("prefill-1", False))
-        cut.start()
-        time.sleep(6.5)
+
+    def partition() -> None:
+        time.sleep(0.5)
+        h.twin.net.link("prefill-1", False)
+        time.sleep(6.0)
         h.twin.net.link("prefill-1", True)
-        cut.join()
-        got = [f.result() for f in futures]
+
+    got, _ = in_flight_while(h, bodies, partition)
     statuses = [g.status for g in got]
     wrong = [
         i
@@ -356,16 +369,12 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(
     # Killed with 6 requests in flight through the router (half on each).
     bodies = [greedy(h.reference.prompt(500, salt=6530 + i), 4) for i in range(6)]
     expected_each = references(h, bodies)
-    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
-        futures = [
-            pool.submit(post, h.twin.router, b, timeout=h.bounds["request"])
-            for b in bodies
-        ]
+
+    def kill() -> None:
         time.sleep(0.5)
         h.twin.kill("prefill-1")
-        killed_at = time.monotonic()
-        in_flight = [f.result() for f in futures]
-        after_kill_s = time.monotonic() - killed_at
+
+    in_flight, after_kill_s = in_flight_while(h, bodies, kill)
     served = [
         g
         for g, e in zip(in_flight, expected_each, strict=True)

@@ -406,6 +406,27 @@ def register(server: Any, worker_addr: str) -> None:
     ).raise_for_status()
 
 
+# Where the pull goes (conftest.timed_pull), cached for the engine id.
+PULLED_FROM = "tcp://127.0.0.1:1"
+
+
+def pull_with_registered(
+    server: Any, registered: str, limit_s: float
+) -> tuple[bool, float, PDMooncakeConnectorWorker]:
+    """A pull to PULLED_FROM that is never answered, while ``server`` lists
+    the engine at ``registered``: (failed, seconds, the decode worker)."""
+    register(server, registered)
+    worker = decode_worker(INTERVAL_S)
+    worker._remote_agents = {"pd-prefill": {0: {0: PULLED_FROM}}}
+    try:
+        failed, took = conftest_timed_pull(
+            worker, f"http://127.0.0.1:{server.port}", limit_s=limit_s, tasks=1
+        )
+    finally:
+        worker.async_zmq_ctx.destroy(linger=0)
+    return failed, took, worker
+
+
 @pytest.mark.usefixtures("pull_never_answers")
 def test_a_prefill_recreated_at_a_new_address_fails_the_stale_pull_at_once(
     bootstrap_server: Any,
@@ -414,15 +435,9 @@ def test_a_prefill_recreated_at_a_new_address_fails_the_stale_pull_at_once(
     answers (the name resolves to the new pod), so it is not gone; but the
     pull went to the address decode cached: it fails at the first probe, and
     the engine id leaves the cache so the next pull asks for the new one."""
-    register(bootstrap_server, "tcp://198.18.0.101:8999")
-    worker = decode_worker(INTERVAL_S)
-    worker._remote_agents = {"pd-prefill": {0: {0: "tcp://127.0.0.1:1"}}}
-    try:
-        failed, took = conftest_timed_pull(
-            worker, f"http://127.0.0.1:{bootstrap_server.port}", limit_s=10, tasks=1
-        )
-    finally:
-        worker.async_zmq_ctx.destroy(linger=0)
+    failed, took, worker = pull_with_registered(
+        bootstrap_server, "tcp://198.18.0.101:8999", limit_s=10
+    )
     print(f"stale pull failed after {took:.2f}s")
     assert failed and took < INTERVAL_S + 0.5
     assert worker.finished_recving_reqs == {"d-1"}
@@ -435,14 +450,6 @@ def test_negative_control_a_slow_pull_to_the_registered_address_waits(
 ) -> None:
     """The bootstrap lists the address the pull went to: a slow prefill, not
     a moved one; the pull keeps waiting and the cache keeps its entry."""
-    register(bootstrap_server, "tcp://127.0.0.1:1")
-    worker = decode_worker(INTERVAL_S)
-    worker._remote_agents = {"pd-prefill": {0: {0: "tcp://127.0.0.1:1"}}}
-    try:
-        failed, _ = conftest_timed_pull(
-            worker, f"http://127.0.0.1:{bootstrap_server.port}", limit_s=3, tasks=1
-        )
-    finally:
-        worker.async_zmq_ctx.destroy(linger=0)
+    failed, _, worker = pull_with_registered(bootstrap_server, PULLED_FROM, limit_s=3)
     assert not failed
-    assert worker._remote_agents == {"pd-prefill": {0: {0: "tcp://127.0.0.1:1"}}}
+    assert worker._remote_agents == {"pd-prefill": {0: {0: PULLED_FROM}}}
