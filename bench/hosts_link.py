@@ -145,8 +145,7 @@ def measure(
         raise HostsLinkError(f"cannot build hosts: {reason}")
     net = network or netns.Network(TAG, [HOST])
     out: list[Rate] = []
-    try:
-        net.create()
+    with net.up():
         host = net[HOST]
         for rate in rates:
             result = Rate(rate, size, repeats)
@@ -172,8 +171,6 @@ def measure(
             result.socket_bps = by_method["socket"].median_bps()
             result.verified = all(s.verified for s in samples)
             result.samples = te.to_json(samples)
-    finally:
-        net.remove()
     return out
 
 

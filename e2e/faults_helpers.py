@@ -45,6 +45,18 @@ def settings() -> dict[str, Any]:
     return data
 
 
+def stack_settings(
+    cfg: Mapping[str, Any],
+) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """configs/faults.yaml's environment per role and vllm-router flags, as
+    the launchers take them (the fault stack, the multi-host twin)."""
+    role_env = {
+        role: {k: str(v) for k, v in values.items()}
+        for role, values in cfg["env"].items()
+    }
+    return role_env, config.render(cfg["router"], {})
+
+
 @dataclass
 class FaultStack(Stack):
     """A stack the fault suite may break: its ports' environment and bounds."""
@@ -214,20 +226,28 @@ def abort_timeout(stack: FaultStack) -> float:
 # --- state: idle and leaks ------------------------------------------------------
 
 
+def server_state(url: str, role: str, label: str) -> dict[str, float]:
+    """One server's quantities that must return to idle, keyed ``label_...``."""
+    snapshot = m.scrape(url)
+    now = {
+        f"{label}_kv_usage": snapshot.total(m.KV_USAGE),
+        f"{label}_requests": snapshot.total(RUNNING) + snapshot.total(WAITING),
+    }
+    if role == "decode":
+        now[f"{label}_kv_fetch"] = snapshot.total(KV_FETCH)
+        # No fault here corrupts KV: a checksum mismatch under load, a kill
+        # or a restart would be a false positive (or a real late write); it
+        # counts as a leak (0 where the check is off).
+        now[f"{label}_kv_checksum_mismatch"] = snapshot.total(m.CHECKSUM_MISMATCH)
+    return now
+
+
 def state(stack: Stack, roles: tuple[str, ...] = config.ROLES) -> dict[str, float]:
     """What must return to idle after every case (of ``roles``: a dead
     server has no /metrics)."""
     now: dict[str, float] = {}
     for role in roles:
-        snapshot = m.scrape(getattr(stack, role))
-        now[f"{role}_kv_usage"] = snapshot.total(m.KV_USAGE)
-        now[f"{role}_requests"] = snapshot.total(RUNNING) + snapshot.total(WAITING)
-        if role == "decode":
-            now["decode_kv_fetch"] = snapshot.total(KV_FETCH)
-            # No fault here corrupts KV: a checksum mismatch under load, a
-            # kill or a restart would be a false positive (or a real late
-            # write); it counts as a leak (0 where the check is off).
-            now["decode_kv_checksum_mismatch"] = snapshot.total(m.CHECKSUM_MISMATCH)
+        now |= server_state(getattr(stack, role), role, role)
     return now
 
 

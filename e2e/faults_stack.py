@@ -27,6 +27,7 @@ from faults_helpers import (
     print_table,
     progress,
     settings,
+    stack_settings,
 )
 from pdstack import config, supervisor, twin
 
@@ -67,11 +68,7 @@ def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
     busy = [port for port in wanted if supervisor.port_in_use(port)]
     if busy and not os.environ.get(KEEP_ENV):
         pytest.fail(f"fault stack ports in use: {busy} (configs/faults.yaml offsets)")
-    role_env = {
-        role: {k: str(v) for k, v in values.items()}
-        for role, values in cfg["env"].items()
-    }
-    router_extra = config.render(cfg["router"], {})
+    role_env, router_extra = stack_settings(cfg)
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     keep = os.environ.get(KEEP_ENV) == "1"
     # pdstack reads the ports from the environment.

@@ -21,12 +21,23 @@ from pathlib import Path
 import pytest
 
 from conftest import E2E_RUN_DIR, Stack
-from faults_helpers import RUNNING, WAITING, Outcome, greedy, post, settings
-from pdstack import config, hosts, wait
+from faults_helpers import (
+    KV_FETCH,
+    Outcome,
+    greedy,
+    post,
+    references,
+    server_state,
+    settings,
+    stack_settings,
+)
+from faults_helpers import (
+    leaks as off_idle,
+)
+from pdstack import hosts, wait
 from pdstack import metrics as m
 
 RUN_DIR = E2E_RUN_DIR.parent / "hosts"
-KV_FETCH = "vllm:num_requests_kv_fetch_by_stage"
 
 
 @dataclass
@@ -52,37 +63,23 @@ class Hosts:
     def all_servers(self) -> list[str]:
         return [*self.servers("prefill"), *self.servers("decode")]
 
+    def state(self) -> dict[str, float]:
+        """faults_helpers.server_state of every server, keyed by its name."""
+        now: dict[str, float] = {}
+        for name in self.all_servers():
+            now |= server_state(self.twin.url(name), hosts.role_of(name), name)
+        return now
+
 
 def _progress(line: str) -> None:
     print(f"[hosts twin] {line}", flush=True)
 
 
-def _state(twin: hosts.HostsTwin, names: list[str]) -> dict[str, float]:
-    """Per server what must come back to idle (faults_helpers.state's
-    quantities, per host)."""
-    now: dict[str, float] = {}
-    for name in names:
-        snap = m.scrape(twin.url(name))
-        now[f"{name} kv_usage"] = snap.total(m.KV_USAGE)
-        now[f"{name} requests"] = snap.total(RUNNING) + snap.total(WAITING)
-        if hosts.role_of(name) == "decode":
-            now[f"{name} kv_fetch"] = snap.total(KV_FETCH)
-            now[f"{name} checksum_mismatch"] = snap.total(m.CHECKSUM_MISMATCH)
-    return now
-
-
-def wait_idle(
-    h: Hosts, names: list[str] | None = None, deadline_s: float | None = None
-) -> dict[str, float]:
-    """Leaks left after ``deadline_s`` (default the idle bound; empty: none)."""
-    chosen = names or h.all_servers()
-
-    def leaks() -> dict[str, float]:
-        now = _state(h.twin, chosen)
-        return {k: v for k, v in now.items() if abs(v - h.idle.get(k, 0.0)) > 1e-9}
-
+def wait_idle(h: Hosts, deadline_s: float | None = None) -> dict[str, float]:
+    """Leaks left on any server after ``deadline_s`` (default the idle bound;
+    empty: none)."""
     return wait.poll_last(
-        leaks,
+        lambda: off_idle(h.state(), h.idle),
         lambda found: not found,
         deadline_s or h.bounds["idle"],
         "hosts idle",
@@ -103,35 +100,23 @@ def stack_hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
     if request.config.getoption("router_url"):
         pytest.skip("the multi-host twin runs only where this suite starts stacks")
     cfg = settings()
+    role_env, router_extra = stack_settings(cfg)
     twin = hosts.HostsTwin(
         run_dir=RUN_DIR,
         progress=_progress,
-        role_env={
-            role: {k: str(v) for k, v in values.items()}
-            for role, values in cfg["env"].items()
-        },
-        router_extra=config.render(cfg["router"], {}),
+        role_env=role_env,
+        router_extra=router_extra,
     )
     try:
         twin.up()
     except wait.WaitError as exc:
         pytest.fail(str(exc))
     try:
-        names = [*twin.servers("prefill"), *twin.servers("decode")]
         h = Hosts(twin, {k: float(v) for k, v in cfg["bounds"].items()}, {})
-        h.idle = _state(twin, names)
+        h.idle = h.state()
         yield h
     finally:
         twin.down()
-
-
-def references(h: Hosts, bodies: list[dict]) -> list[list[int]]:
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        answers = list(
-            pool.map(lambda b: post(h.reference.reference, b, timeout=300), bodies)
-        )
-    assert all(a.status == 200 for a in answers), answers
-    return [a.token_ids or [] for a in answers]
 
 
 def in_flight_while(
@@ -159,7 +144,7 @@ def test_xpyd_every_replica_serves_exact_answers(stack_hosts: Hosts) -> None:
     bodies = [
         greedy(h.reference.prompt(40 + 7 * i, salt=6000 + i), 6) for i in range(8)
     ]
-    expected = references(h, bodies)
+    expected = references(h.reference, bodies)
     before = counters(h)
     got = [post(h.twin.router, b, timeout=h.bounds["request"]) for b in bodies]
     tokens = sum(len(b["prompt"]) for b in bodies)
@@ -195,7 +180,7 @@ def serves_exactly_on_every_replica(h: Hosts, salt: int) -> float:
     i = 0
     while time.monotonic() - start < h.bounds["recovery"]:
         body = greedy(h.reference.prompt(33, salt=salt + i), 4)
-        (expected,) = references(h, [body])
+        (expected,) = references(h.reference, [body])
         before = counters(h)
         got = post(h.twin.router, body, timeout=h.bounds["request"])
         i += 1
@@ -240,7 +225,7 @@ def test_a_partitioned_prefill_host_heals(stack_hosts: Hosts) -> None:
     replica serves exactly and nothing is left behind."""
     h = stack_hosts
     bodies = [greedy(h.reference.prompt(600, salt=6200 + i), 8) for i in range(8)]
-    expected = references(h, bodies)
+    expected = references(h.reference, bodies)
 
     def partition() -> None:
         time.sleep(0.5)
@@ -278,7 +263,7 @@ def test_a_slow_link_slows_transfers_but_keeps_them_exact(stack_hosts: Hosts) ->
     every answer still equals the reference."""
     h = stack_hosts
     bodies = [greedy(h.reference.prompt(900, salt=6400 + i), 4) for i in range(4)]
-    expected = references(h, bodies)
+    expected = references(h.reference, bodies)
     h.twin.net.shape("prefill-0", SHAPED_RATE)
     try:
         before = counters(h)
@@ -368,7 +353,7 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(
         h.twin.net.link("prefill-1", True)
     # Killed with 6 requests in flight through the router (half on each).
     bodies = [greedy(h.reference.prompt(500, salt=6530 + i), 4) for i in range(6)]
-    expected_each = references(h, bodies)
+    expected_each = references(h.reference, bodies)
 
     def kill() -> None:
         time.sleep(0.5)
@@ -392,7 +377,7 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(
         # The router's health checks (faults.yaml: every 2 s) drop prefill-1.
         start = time.monotonic()
         body = greedy(h.reference.prompt(30, salt=6512), 4)
-        (expected,) = references(h, [body])
+        (expected,) = references(h.reference, [body])
         streak = 0
         while streak < 4 and time.monotonic() - start < h.bounds["recovery"]:
             got = post(h.twin.router, body, timeout=h.bounds["request"])
@@ -432,7 +417,7 @@ def test_one_of_two_decodes_killed(stack_hosts: Hosts) -> None:
     h = stack_hosts
     h.twin.kill("decode-1")
     body = greedy(h.reference.prompt(30, salt=6600), 4)
-    (expected,) = references(h, [body])
+    (expected,) = references(h.reference, [body])
     start = time.monotonic()
     statuses: list[int | None] = []
     try:

@@ -80,9 +80,6 @@ class HostsTwin:
         """``name``'s base URL from this process (its current address)."""
         return f"http://{self.net[name].address}:{self.port(name)}"
 
-    def bootstrap(self, name: str) -> str:
-        return f"http://{self.net[name].address}:{self.ports.bootstrap}"
-
     @property
     def router(self) -> str:
         return self.url(ROUTER)
@@ -107,10 +104,10 @@ class HostsTwin:
         try:
             self.net.create()
             servers = [n for n in self.names if n != ROUTER]
-            deadlines = {name: self.start(name, wait_s=None) for name in servers}
+            deadlines = {name: self.start(name, wait_healthy=False) for name in servers}
             for name in servers:
                 self.procs.wait_healthy(name, deadlines[name])
-            self.procs.wait_healthy(ROUTER, self.start(ROUTER, wait_s=None))
+            self.procs.wait_healthy(ROUTER, self.start(ROUTER, wait_healthy=False))
         except BaseException:
             self.down()
             raise
@@ -121,17 +118,14 @@ class HostsTwin:
         self.procs.stop()
         self.net.remove()
 
-    def start(
-        self, name: str, again: bool = False, wait_s: float | None = 0.0
-    ) -> float:
-        """Start ``name`` on its host. ``wait_s`` None returns the health
-        deadline without waiting; otherwise waits (0: the role's deadline)
-        and returns the seconds it took."""
+    def start(self, name: str, again: bool = False, wait_healthy: bool = True) -> float:
+        """Start ``name`` on its host; the seconds until it answered /health,
+        or without ``wait_healthy`` its health deadline (to wait for it later)."""
         host = self.net[name]
         role = role_of(name)
         if role == ROUTER:
             u = supervisor.Urls(
-                router=f"http://{host.address}:{self.ports.router}",
+                router=self.url(name),
                 prefill=self._by_name("prefill"),
                 decode=self._by_name("decode"),
                 bootstrap_port=self.ports.bootstrap,
@@ -145,9 +139,7 @@ class HostsTwin:
         self.procs.launch(
             name, [*host.exec_prefix(), *argv], env, self.url(name), again
         )
-        if wait_s is None:
-            return deadline
-        return self.procs.wait_healthy(name, wait_s or deadline)
+        return self.procs.wait_healthy(name, deadline) if wait_healthy else deadline
 
     def _server_command(self, name: str, role: str) -> tuple[list[str], dict[str, str]]:
         from pdstack.serve import command
@@ -173,9 +165,6 @@ class HostsTwin:
         address = self.net.readdress(name)
         self.progress(f"{name} re-created at {address}")
         return self.start(name, again=True)
-
-    def running(self) -> dict[str, int]:
-        return self.procs.running()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -212,13 +212,12 @@ class Network:
 
     # --- what Kubernetes and the network do to hosts --------------------------
 
-    def write_hosts(self, names: dict[str, str] | None = None) -> None:
-        """Every host's ``/etc/hosts``: localhost, and each host's name (plus
-        ``names``: alias -> host name) to its current address. Rewritten in
-        place: a running process's bind mount keeps the inode."""
+    def write_hosts(self) -> None:
+        """Every host's ``/etc/hosts``: localhost, and each host's name to its
+        current address. Rewritten in place: a running process's bind mount
+        keeps the inode."""
         entries = ["127.0.0.1 localhost"]
         entries += [f"{h.address} {h.name}" for h in self.hosts.values()]
-        entries += [f"{self.hosts[t].address} {a}" for a, t in (names or {}).items()]
         text = "\n".join(entries) + "\n"
         for host in self.hosts.values():
             directory = NETNS_ETC / host.netns
