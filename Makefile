@@ -15,8 +15,9 @@ PY := $(VENV)/bin/python
 PIP_EXTRA_INDEX_URL ?=
 # Debian packages the Mooncake transfer engine needs, even over TCP, and
 # Prometheus (with promtool) for the monitoring checks (e2e/test_dashboards.py,
-# tests/test_monitoring.py).
-APT_PACKAGES ?= libibverbs1 librdmacm1 libnuma1 prometheus
+# tests/test_monitoring.py), iproute2 (`ip netns`, `tc`) for the multi-host
+# twin (pdstack/netns.py; minimal images lack it).
+APT_PACKAGES ?= libibverbs1 librdmacm1 libnuma1 prometheus iproute2
 PROFILE ?= tiny
 # The stack under test for `make e2e` (defaults: the compose stack on this host).
 include configs/ports.env
