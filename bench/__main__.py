@@ -1,5 +1,5 @@
 """Command line of the bench:
-``python -m bench {run,transfer,hosts-link,checksum,report}``."""
+``python -m bench {run,transfer,hosts-link,checksum,kv-path,report}``."""
 
 from __future__ import annotations
 
@@ -48,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="--digest-only: a run's kv_layout.json (default: the twin's)",
     )
+    settings.add_arguments(
+        sub.add_parser(
+            "kv-path",
+            help="the KV path only: staged and direct sends, fresh and "
+            "fragmented, on the bench's own P/D stack; then the engine alone",
+        )
+    )
     rebuild = sub.add_parser("report", help="rebuild a run's report from its JSON")
     rebuild.add_argument("run_dir", type=Path)
     opts = parser.parse_args(argv)
@@ -83,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench import run
 
         chosen.run_dir.mkdir(parents=True, exist_ok=True)
-        (run.checksum_only if opts.command == "checksum" else run.run)(chosen)
+        commands = {"checksum": run.checksum_only, "kv-path": run.kv_path_only}
+        commands.get(opts.command, run.run)(chosen)
         return 0
     except (settings.SettingsError, levels.ReportError, HostsLinkError) as exc:
         print(f"bench: {exc}", file=sys.stderr)

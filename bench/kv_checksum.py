@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.levels import LevelResult, fmt, fmt_pct, level_name, table
+from bench import single_requests
+from bench.levels import fmt, fmt_pct, table
 from bench.settings import Settings, human_bytes
-from bench.vllm_bench import Level, Plan
+from bench.vllm_bench import Plan
 from pdstack import kv_layout
 from pdstack import metrics as m
 
@@ -44,11 +45,9 @@ STATES = ("on", "off")
 DIR = "kv_checksum"
 DIGEST_FILE = "digest.json"
 STATE_FILE = "state.json"
-# Only TTFT is measured: two output tokens keep each request short.
-OUTPUT_LEN = 2
+OUTPUT_LEN = single_requests.OUTPUT_LEN
 # Seeds of the checksum's requests: clear of the main sweep's (seed + level).
 SEED_OFFSET = 1000
-WARMUP = "warmup"
 DIGEST_TOKENS = 4096
 DIGEST_ROUNDS = 7
 DIGEST_METHODS = ("digest", "gather", "read", "copy")
@@ -61,20 +60,9 @@ def pass_dir(run_dir: Path, state: str) -> Path:
 def plan(s: Settings, router: str, prefill: str, out: Path, tokenizer: str) -> Plan:
     """One warm-up request, then ``checksum_requests`` single-request levels
     per prompt length, shortest first; the same prompts for either state."""
-
-    def level(name: str, length: int, seed: int) -> Level:
-        return Level("pd", router, length, 1, 1, seed, str(out / f"{name}.json"),
-                     prefill, str(out / f"{name}.kv.json"))  # fmt: skip
-
-    first = min(s.input_lens)
-    levels = [level(f"{WARMUP}-in{first}", first, s.seed + SEED_OFFSET - 1)]
-    for k, (length, i) in enumerate(
-        (n, i) for n in sorted(s.input_lens) for i in range(s.checksum_requests)
-    ):
-        name = f"{level_name('pd', length, 1)}-r{i}"
-        levels.append(level(name, length, s.seed + SEED_OFFSET + k))
-    return Plan(s.model, tokenizer, OUTPUT_LEN, s.level_timeout_s, tuple(levels),
-                budget_s=s.sweep_budget_s)  # fmt: skip
+    chosen = single_requests.levels(s, router, prefill, out, s.seed + SEED_OFFSET,
+                                    s.checksum_requests)  # fmt: skip
+    return single_requests.plan(s, tokenizer, chosen)
 
 
 def decode_state(snapshot: m.Snapshot) -> dict[str, float]:
@@ -138,22 +126,6 @@ class Result:
         return None
 
 
-def _side(where: Path, length: int) -> Side:
-    ttft, transfer = [], []
-    for path in sorted(where.glob(f"{level_name('pd', length, 1)}-r*.json")):
-        if path.name.endswith((".status.json", ".kv.json")):
-            continue
-        level = LevelResult.from_json(json.loads(path.read_text()))
-        if not level.completed or "p50_ttft_ms" not in level.values:
-            continue
-        ttft.append(level.values["p50_ttft_ms"])
-        kv = path.with_name(path.name.removesuffix(".json") + ".kv.json")
-        counters = json.loads(kv.read_text()) if kv.exists() else {}
-        if counters.get("transfers"):
-            transfer.append(counters["seconds"] / counters["transfers"] * 1e3)
-    return Side(ttft, transfer)
-
-
 def read(run_dir: Path) -> Result | None:
     root = run_dir / DIR
     if not root.exists():
@@ -162,12 +134,11 @@ def read(run_dir: Path) -> Result | None:
     states = {}
     for state in STATES:
         where = root / state
-        lengths = {
-            LevelResult.from_json(json.loads(p.read_text())).input_len
-            for p in where.glob("pd-in*-r*.json")
-            if not p.name.endswith((".status.json", ".kv.json"))
-        }
-        sides[state] = {n: side for n in lengths if (side := _side(where, n)).ttft_ms}
+        sides[state] = {
+            n: Side([r.ttft_ms for r in got],
+                    [t for r in got if (t := r.transfer_ms()) is not None])
+            for n, got in single_requests.read(where).items()
+        }  # fmt: skip
         if (where / STATE_FILE).exists():
             states[state] = json.loads((where / STATE_FILE).read_text())
     digest = root / DIGEST_FILE

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import hosts_link as hl
-from bench import kv_checksum, kv_transfer
+from bench import kv_checksum, kv_path, kv_transfer
 from bench import transfer_engine as te
 from bench.levels import (
     GIB,
@@ -173,6 +173,7 @@ class Run:
     model: kv_layout.KVLayout | None
     checksum: kv_checksum.Result | None
     hosts_link: list[hl.Rate]
+    kv_path: kv_path.Result | None
     checks: list[Target]
 
     @classmethod
@@ -186,6 +187,7 @@ class Run:
         memory = _read(run_dir / "memory.json")
         checksum = kv_checksum.read(run_dir)
         hosts_link = hl.from_json(_read(run_dir / "hosts_link.json") or [])
+        paths = kv_path.read(run_dir)
         return cls(
             meta=_read(run_dir / "meta.json") or {},
             pairs=pairs,
@@ -197,7 +199,10 @@ class Run:
             model=kv_transfer.layout_from_json(_read(run_dir / "kv_layout.json")),
             checksum=checksum,
             hosts_link=hosts_link,
-            checks=judge(pairs, overhead, comparisons, memory, checksum, hosts_link),
+            kv_path=paths,
+            checks=judge(
+                pairs, overhead, comparisons, memory, checksum, hosts_link, paths
+            ),
         )
 
 
@@ -227,6 +232,7 @@ def summary(run: Run) -> dict[str, Any]:
         "transfer_engine": [asdict(c) for c in run.comparisons],
         "hosts_link": [r.summary() for r in run.hosts_link],
         "kv_checksum": kv_checksum.summary(run.checksum),
+        "kv_path": kv_path.summary(run.kv_path, run.comparisons),
     }
 
 
@@ -306,6 +312,10 @@ def markdown(run: Run, plotted: bool) -> str:
     )
     if run.checksum:
         out += ["", *kv_checksum.markdown(run.checksum)]
+    if run.kv_path:
+        out += section(
+            kv_path.TITLE, kv_path.markdown(run.kv_path, comparisons, run.model)
+        )
     if comparisons:
         out += section(
             "Mooncake transfer engine alone (TCP, loopback, two processes)",

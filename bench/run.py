@@ -12,16 +12,21 @@ On the CPU twin (no URLs given) the bench starts and stops its own servers:
 7. the KV checksum's cost (bench.kv_checksum): the colocated server stopped,
    requests one at a time through P/D with the checksum on, then again after
    a restart with it off;
-8. everything stopped; the digest alone, in-process; report.md, report.png,
+8. the KV path (bench.kv_path): staged and, after a restart with
+   ``PD_MOONCAKE_KV_STAGING_MIB=0``, direct sends, each on a fresh stack,
+   then after a burst that fragments the servers' free block lists;
+9. everything stopped; the digest alone, in-process; report.md, report.png,
    summary.json written.
 
-Against given URLs (a compose stack on GPUs) steps 2-4, 7 and the memory are
-skipped. ``python -m bench checksum`` runs steps 7 and 8 alone.
+Against given URLs (a compose stack on GPUs) steps 2-4, 7, 8 and the memory
+are skipped. ``python -m bench checksum`` runs steps 7 and 9 alone, ``python
+-m bench kv-path`` step 8, then the engine alone at its transfers' sizes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -29,17 +34,18 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from datetime import datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import psutil
 
 from bench import (
     kv_checksum,
+    kv_path,
     kv_transfer,
     memory,
     report,
@@ -61,6 +67,7 @@ TRANSFER_DEADLINE_S = 900.0
 HOSTS_LINK_DEADLINE_S = 600.0
 # The digest alone: importing vLLM (~20 s of CPU), 0.5 GiB of tensors, seconds.
 DIGEST_DEADLINE_S = 300.0
+LAYOUT_FILE = "kv_layout.json"
 
 
 class Clock:
@@ -107,7 +114,9 @@ def _bench_subprocess(
             progress(f"python -m bench {args[0]} failed ({exc}); see {log}")
 
 
-def transfer_engine_step(s: Settings, out: Path, progress: Clock) -> None:
+def transfer_engine_step(
+    s: Settings, out: Path, progress: Clock, defaults_only: bool = False
+) -> None:
     """In a subprocess: Mooncake's own logging goes to a file, not the screen."""
     progress("transfer engine micro-benchmark (Mooncake TCP vs socket vs memcpy)")
     sizes = ",".join(str(size) for size in s.transfer_sizes)
@@ -115,6 +124,8 @@ def transfer_engine_step(s: Settings, out: Path, progress: Clock) -> None:
         "transfer", "--json", str(out / "transfer_engine.json"),
         "--transfer-sizes", sizes, "--transfer-repeats", str(s.transfer_repeats),
     ]  # fmt: skip
+    if defaults_only:
+        args.append("--defaults-only")
     _bench_subprocess(args, out / "transfer_engine.log", TRANSFER_DEADLINE_S, progress)
 
 
@@ -141,8 +152,8 @@ def digest_step(s: Settings, out: Path, progress: Clock) -> None:
     where.mkdir(parents=True, exist_ok=True)
     args = ["checksum", "--digest-only", "--profile", s.profile,
             "--json", str(where / kv_checksum.DIGEST_FILE)]  # fmt: skip
-    if (out / "kv_layout.json").exists():
-        args += ["--layout", str(out / "kv_layout.json")]
+    if (out / LAYOUT_FILE).exists():
+        args += ["--layout", str(out / LAYOUT_FILE)]
     _bench_subprocess(args, where / "digest.log", DIGEST_DEADLINE_S, progress)
 
 
@@ -160,9 +171,8 @@ def checksum_step(
             restart = {}
             if state == "off":
                 progress(f"KV checksum off: P/D restarted with {kv_checksum.ENV}=0")
-                own.stop(["router", "decode", "prefill"])
-                with mock.patch.dict(os.environ, {kv_checksum.ENV: "0"}):
-                    urls, timings, _ = stack.start_pd(own, s.profile, progress)
+                env = {kv_checksum.ENV: "0"}
+                urls, timings, _ = stack.restart_pd(own, s.profile, env, progress)
                 restart = {"restart_s": timings["total"]}
             progress(f"KV checksum {state}: one request at a time")
             before = m.scrape(urls.decode)
@@ -172,6 +182,32 @@ def checksum_step(
             (where / kv_checksum.STATE_FILE).write_text(json.dumps(data, indent=1))
     except (OSError, wait.WaitError) as exc:
         progress(f"KV checksum on/off stopped: {exc}")
+
+
+def kv_path_step(
+    s: Settings, own: supervisor.Processes, out: Path, progress: Clock
+) -> list[str]:
+    """Per state (bench.kv_path.STATES) the P/D stack restarted with its
+    environment (fresh block lists), then its sweep: fresh pass, burst,
+    fragmented pass. The P/D stack then runs in the last state ('direct');
+    returns the adjustments start_pd made."""
+    tokenizer, notes = _tokenizer(s), []
+    try:
+        for state in kv_path.STATES:
+            where = kv_path.state_dir(out, state)
+            env = kv_path.STATE_ENV[state]
+            given = ", ".join(f"{k}={v}" for k, v in env.items()) or "as it is"
+            progress(f"KV path '{state}': P/D (re)started, environment {given}")
+            urls, timings, notes = stack.restart_pd(own, s.profile, env, progress)
+            _write_layout(s, urls, out)
+            progress(f"KV path '{state}': {kv_path.describe(s)}")
+            plan = kv_path.plan(s, urls.router, urls.prefill, where, tokenizer)
+            sweep_step(plan, where, progress)
+            data = kv_path.state_json(env, timings["total"])
+            (where / kv_path.STATE_FILE).write_text(json.dumps(data, indent=1))
+    except (OSError, wait.WaitError) as exc:
+        progress(f"KV path stopped: {exc}")
+    return notes
 
 
 def sweep_plan(s: Settings, urls: Urls, prefill_metrics: str | None, raw: Path,
@@ -282,6 +318,13 @@ def overhead_step(
     )
 
 
+def _write_layout(s: Settings, urls: Urls, out: Path) -> None:
+    """What a transfer of this stack should move (its block size and KV
+    type), for the report's layout checks."""
+    layout = kv_transfer.served_layout(urls.prefill, s.profile)
+    (out / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
+
+
 def _tokenizer(s: Settings) -> str:
     if s.tokenizer:
         return s.tokenizer
@@ -321,32 +364,59 @@ def _finish(out: Path, progress: Clock) -> Path:
     return out
 
 
-def checksum_only(s: Settings) -> Path:
-    """``python -m bench checksum``: the checksum's on/off passes on the
-    bench's own P/D stack (started with it on), then the digest alone."""
+def _on_own_stack(
+    s: Settings,
+    what: str,
+    body: Callable[[supervisor.Processes, Path, Clock], list[str]],
+) -> tuple[Path, Clock]:
+    """A run directory and ``body`` on the bench's own P/D stack (what an
+    earlier, killed bench left stopped first; everything stopped after), its
+    notes kept; against URLs only a note that ``what`` needs that stack."""
     progress = Clock()
     out, meta = _start(s, progress)
     own = stack.processes(s.run_dir, progress) if s.urls is None else None
     try:
         if own is None:
             meta["notes"].append(
-                "KV checksum on/off needs the bench's own stack (it restarts it "
-                f"with {kv_checksum.ENV}=0); against URLs only the digest ran"
+                f"{what} needs the bench's own stack (it restarts it with a "
+                "setting changed): not measured against URLs"
             )
         else:
-            own.stop()  # what an earlier, killed bench left running
-            with mock.patch.dict(os.environ, {kv_checksum.ENV: "1"}):
-                urls, _, notes = stack.start_pd(own, s.profile, progress)
-            meta["notes"] += notes
+            own.stop()
             meta["stack"] = "CPU twin started by the bench (prefill, decode, router)"
-            layout = kv_transfer.served_layout(urls.prefill, s.profile)
-            (out / "kv_layout.json").write_text(json.dumps(layout, indent=1))
-            checksum_step(s, own, urls, out, progress)
+            meta["notes"] += body(own, out, progress)
     finally:
         if own is not None:
             own.stop()
         (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    return out, progress
+
+
+def checksum_only(s: Settings) -> Path:
+    """``python -m bench checksum``: the checksum's on/off passes on the
+    bench's own P/D stack (started with it on), then the digest alone."""
+
+    def body(own: supervisor.Processes, out: Path, progress: Clock) -> list[str]:
+        env = {kv_checksum.ENV: "1"}
+        urls, _, notes = stack.start_pd(own, s.profile, progress, env)
+        _write_layout(s, urls, out)
+        checksum_step(s, own, urls, out, progress)
+        return notes
+
+    out, progress = _on_own_stack(s, "KV checksum on/off", body)
     digest_step(s, out, progress)
+    return _finish(out, progress)
+
+
+def kv_path_only(s: Settings) -> Path:
+    """``python -m bench kv-path``: the KV path's states and passes on the
+    bench's own P/D stack, then (stack stopped) the transfer engine alone at
+    the configured sizes nearest to the stack's transfers."""
+    step = functools.partial(kv_path_step, s)
+    out, progress = _on_own_stack(s, "KV path staged/direct", step)
+    sizes = kv_path.sizes_for(kv_path.read(out), s.transfer_sizes)
+    if sizes:
+        transfer_engine_step(replace(s, transfer_sizes=sizes), out, progress, True)
     return _finish(out, progress)
 
 
@@ -368,8 +438,8 @@ def run(s: Settings) -> Path:
                 shutil.rmtree(cache, ignore_errors=True)
                 progress(f"cold start: generating the model into an empty {cache}")
                 gen_s = stack.generate_model(cache, s.run_dir / "model-generation.log")
-                with mock.patch.dict(os.environ, {"PD_MODEL_CACHE": str(cache)}):
-                    _, timings, _ = stack.start_pd(own, s.profile, progress)
+                env = {"PD_MODEL_CACHE": str(cache)}
+                _, timings, _ = stack.start_pd(own, s.profile, progress, env)
                 own.stop()
                 shutil.rmtree(cache, ignore_errors=True)
                 startup["cold: model generation"] = gen_s
@@ -400,9 +470,11 @@ def run(s: Settings) -> Path:
             finally:
                 sampler.__exit__(None, None, None)
                 peak = sampler.peak
+            own.stop(["colocated"])
             if s.kv_checksum:
-                own.stop(["colocated"])
                 checksum_step(s, own, urls, out, progress)
+            if s.kv_path:
+                kv_path_step(s, own, out, progress)
         else:
             assert s.urls is not None
             meta["stack"] = f"given by URLs: {s.urls}"
@@ -421,10 +493,7 @@ def run(s: Settings) -> Path:
 
 
 def _measure(s: Settings, urls: Urls, out: Path, raw: Path, progress: Clock) -> None:
-    # What a transfer of this stack should move (its block size and KV type),
-    # for the report's layout check.
-    layout = kv_transfer.served_layout(urls.prefill, s.profile)
-    (out / "kv_layout.json").write_text(json.dumps(layout, indent=1))
+    _write_layout(s, urls, out)
     overhead_step(s, urls, s.run_dir, out, progress)
     plan = sweep_plan(s, urls, urls.prefill, raw, _tokenizer(s))
     sweep_step(plan, out, progress)

@@ -89,6 +89,9 @@ class Settings:
     # The checksum's cost: a second P/D stack with it off (bench.kv_checksum).
     kv_checksum: bool
     checksum_requests: int
+    # Staged against direct KV sends, fresh and fragmented (bench.kv_path).
+    kv_path: bool
+    kv_path_requests: int
     tokenizer: str | None
     model: str
     seed: int
@@ -211,6 +214,20 @@ def add_arguments(
         "5",
         help="requests per prompt length, checksum on and off (one at a time)",
     )
+    number(
+        "--kv-path",
+        "BENCH_KV_PATH",
+        "1",
+        choices=(0, 1),
+        help="also measure the KV path: staged and (after a restart with "
+        "PD_MOONCAKE_KV_STAGING_MIB=0) direct sends, fresh and fragmented",
+    )
+    number(
+        "--kv-path-requests",
+        "BENCH_KV_PATH_REQUESTS",
+        "5",
+        help="KV path: requests per prompt length, state and pass (one at a time)",
+    )
     opt(
         "--tokenizer",
         default=_env(env, "BENCH_TOKENIZER", ""),
@@ -235,7 +252,7 @@ def from_args(args: argparse.Namespace) -> Settings:
             )
         urls = Urls(**given, bootstrap_port=config.ports().bootstrap)
     positive = ("output_len", "min_prompts", "max_batch_tokens", "overhead_requests",
-                "checksum_requests")  # fmt: skip
+                "checksum_requests", "kv_path_requests")  # fmt: skip
     for name in positive:
         if getattr(args, name) <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")
@@ -261,6 +278,8 @@ def from_args(args: argparse.Namespace) -> Settings:
         cold_start=bool(args.cold_start),
         kv_checksum=bool(args.kv_checksum),
         checksum_requests=args.checksum_requests,
+        kv_path=bool(args.kv_path),
+        kv_path_requests=args.kv_path_requests,
         tokenizer=args.tokenizer or None,
         model=args.model,
         seed=args.seed,

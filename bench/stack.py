@@ -14,10 +14,13 @@ servers are stopped by the next one.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from unittest import mock
 
 from pdstack import config, supervisor, wait
 from pdstack.supervisor import HOST, Progress, Urls, free_port, port_in_use
@@ -46,10 +49,35 @@ def _vllm_argv(
 
 
 def start_pd(
-    stack: supervisor.Processes, profile: str, progress: Progress = print
+    stack: supervisor.Processes,
+    profile: str,
+    progress: Progress = print,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[Urls, dict[str, float], list[str]]:
-    """Prefill, decode and router on the configured ports; returns the URLs,
-    seconds to healthy per server (and in total), and the adjustments made."""
+    """Prefill, decode and router on the configured ports, with ``env`` on top
+    of this process's environment (e.g. ``PD_MOONCAKE_KV_CHECKSUM=0``: what
+    pdstack.config's ENV_OVERRIDES render, what the plugin reads); returns the
+    URLs, seconds to healthy per server (and in total), and the adjustments made."""
+    with mock.patch.dict(os.environ, dict(env or {})):
+        return _start_pd(stack, profile)
+
+
+def restart_pd(
+    stack: supervisor.Processes,
+    profile: str,
+    env: Mapping[str, str],
+    progress: Progress = print,
+) -> tuple[Urls, dict[str, float], list[str]]:
+    """The P/D servers stopped (if running) and started again with ``env``
+    (empty: the environment untouched); as start_pd. The bench's one way to
+    run a stack with a setting changed, and to have fresh servers."""
+    stack.stop(["router", "decode", "prefill"])
+    return start_pd(stack, profile, progress, env)
+
+
+def _start_pd(
+    stack: supervisor.Processes, profile: str
+) -> tuple[Urls, dict[str, float], list[str]]:
     ports = config.ports()
     urls = supervisor.urls(ports)
     for name, port in (

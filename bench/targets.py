@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import hosts_link as hl
-from bench import kv_checksum
+from bench import kv_checksum, kv_path
 from bench import transfer_engine as te
 from bench.levels import GIB, MIB, Pair, fmt, fmt_pct, ratio
 from bench.settings import human_bytes
@@ -29,6 +29,11 @@ MEMORY_TARGET_BYTES = 6 * GIB
 CHECKSUM_SHARE_TARGET = 0.02
 CHECKSUM_INPUT_LEN = 4096
 HOSTS_LINK_TARGET = 0.90
+STAGED_VS_ENGINE_TARGET = 0.70
+STAGED_RATE_LENS = (1024, 4096)
+FRAGMENTED_VS_FRESH_TARGET = 0.90
+STAGED_SHARE_TARGET = 0.01
+STAGED_SHARE_INPUT_LEN = 4096
 DOC = Path(__file__).resolve().parent.parent / "docs" / "bench.md"
 ADVICE_HEADING = "## Where a target is missed"
 
@@ -311,6 +316,102 @@ def _hosts_link_target(rates: Sequence[hl.Rate]) -> Target:
     )
 
 
+def _kv_path_verdict(
+    name: str,
+    target: str,
+    parts: Sequence[tuple[str, float | None]],
+    threshold: float,
+    result: kv_path.Result,
+    label: str,
+    note: str = "",
+    at_most: bool = False,
+) -> Target:
+    """Missed where a part misses ``threshold`` (reaches it, or stays at or
+    under it: ``at_most``), met where every part is measured and meets it,
+    else unresolved; the staging note (kv_path.Result.staging_note) rides along."""
+    present = [(where, v) for where, v in parts if v is not None]
+    if not present:
+        return Target(name, target, "not measured", None)
+    reached = [(v <= threshold) if at_most else (v >= threshold) for _, v in present]
+    missing = [where for where, v in parts if v is None]
+    met = False if not all(reached) else (None if missing else True)
+    notes = [n for n in (note, result.staging_note()) if n]
+    if missing:
+        notes.append("not measured: " + ", ".join(missing))
+    return Target(
+        name,
+        target,
+        "; ".join(f"{where}: {fmt_pct(v)}" for where, v in present),
+        met,
+        "; ".join(notes),
+        "" if met is not False else advice(label),
+    )
+
+
+def _staged_rate_target(
+    result: kv_path.Result | None, comparisons: Sequence[te.Comparison]
+) -> Target:
+    """The staged stack's rate (p50 bytes / transfer seconds) against the
+    engine alone with one descriptor at the nearest size, both passes."""
+    lens = " and ".join(map(str, STAGED_RATE_LENS))
+    name = f"KV staging: stack rate vs engine bulk, {lens}-token prompts"
+    target = f">= {STAGED_VS_ENGINE_TARGET:.0%}"
+    if result is None or not comparisons:
+        why = "not measured" if result is None else "not measured (no engine results)"
+        return Target(name, target, why, None)
+    parts, rates = [], []
+    for n in STAGED_RATE_LENS:
+        for pass_ in kv_path.PASSES:
+            cell = result.cell("staged", pass_, n)
+            share = kv_path.vs_engine(cell, comparisons)
+            parts.append((f"{n} {pass_}", share[0] if share else None))
+            if share and cell:
+                rates.append(
+                    f"{n} {pass_} {fmt(cell.mb_per_s(), 0)} vs "
+                    f"{share[1].engine_bps / 1e6:,.0f} MB/s "
+                    f"({human_bytes(share[1].size)})"
+                )
+    return _kv_path_verdict(name, target, parts, STAGED_VS_ENGINE_TARGET, result,
+                            "KV staging rate", "; ".join(rates))  # fmt: skip
+
+
+def _fragmentation_target(result: kv_path.Result | None) -> Target:
+    """Staged: the fragmented pass's rate over the fresh pass's; direct's
+    ratio as the note (what staging is for)."""
+    lens = " and ".join(map(str, STAGED_RATE_LENS))
+    name = f"KV staging: fragmented rate vs fresh, {lens}-token prompts"
+    target = f">= {FRAGMENTED_VS_FRESH_TARGET:.0%}"
+    if result is None:
+        return Target(name, target, "not measured", None)
+    parts = [
+        (f"{n}", result.fragmented_vs_fresh("staged", n)) for n in STAGED_RATE_LENS
+    ]
+    direct = "direct: " + ", ".join(
+        f"{n} {fmt_pct(result.fragmented_vs_fresh('direct', n))}"
+        for n in STAGED_RATE_LENS
+    )
+    return _kv_path_verdict(name, target, parts, FRAGMENTED_VS_FRESH_TARGET, result,
+                            "KV fragmentation", direct)  # fmt: skip
+
+
+def _staged_share_target(result: kv_path.Result | None) -> Target:
+    """Staged, both passes: transfer p50 as a share of TTFT p50."""
+    n = STAGED_SHARE_INPUT_LEN
+    name = f"KV staging: transfer share of TTFT, {n}-token prompts"
+    target = f"<= {STAGED_SHARE_TARGET:.0%}"
+    if result is None:
+        return Target(name, target, "not measured", None)
+    cells = [(p, result.cell("staged", p, n)) for p in kv_path.PASSES]
+    parts = [(p, cell.share() if cell else None) for p, cell in cells]
+    times = "; ".join(
+        f"{p} {fmt(c.transfer_ms(), 0)} of {fmt(c.ttft_ms(), 0)} ms"
+        for p, c in cells
+        if c
+    )
+    return _kv_path_verdict(name, target, parts, STAGED_SHARE_TARGET, result,
+                            "KV staging share", times, at_most=True)  # fmt: skip
+
+
 def judge(
     pairs: Sequence[Pair],
     overhead: Mapping[str, Any] | None,
@@ -318,6 +419,7 @@ def judge(
     memory: Mapping[str, Any] | None,
     checksum: kv_checksum.Result | None = None,
     hosts_link: Sequence[hl.Rate] = (),
+    kv_paths: kv_path.Result | None = None,
 ) -> list[Target]:
     return [
         _kv_share_target(pairs),
@@ -327,4 +429,7 @@ def judge(
         _checksum_target(checksum),
         _stall_target(pairs),
         _hosts_link_target(hosts_link),
+        _staged_rate_target(kv_paths, comparisons),
+        _fragmentation_target(kv_paths),
+        _staged_share_target(kv_paths),
     ]

@@ -50,6 +50,13 @@ class Level:
     # P/D only: the prefill server, whose /metrics counts the transfers.
     prefill_url: str | None = None
     kv_file: str | None = None
+    # This level's own output length (default: the plan's), the random
+    # dataset's range ratio (lengths of input and output drawn from
+    # [len * (1 - r), len * (1 + r)]; 0: every request the same) and deadline
+    # (default: the plan's timeout_s).
+    output_len: int | None = None
+    range_ratio: float = 0.0
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,8 @@ class Plan:
 def bench_serve_args(plan: Plan, level: Level) -> list[str]:
     """The arguments of ``vllm bench serve`` for one level."""
     result = Path(level.result_file)
+    ratio = level.range_ratio
+    spread = ["--random-range-ratio", str(ratio)] if ratio else []
     return [
         "--backend", "openai",
         "--base-url", level.base_url,
@@ -91,7 +100,7 @@ def bench_serve_args(plan: Plan, level: Level) -> list[str]:
         "--tokenizer", plan.tokenizer,
         "--dataset-name", "random",
         "--random-input-len", str(level.input_len),
-        "--random-output-len", str(plan.output_len),
+        "--random-output-len", str(level.output_len or plan.output_len), *spread,
         "--num-prompts", str(level.num_prompts),
         "--max-concurrency", str(level.concurrency),
         "--request-rate", "inf",
@@ -170,7 +179,8 @@ def run(plan: Plan) -> int:
             status_file.write_text(json.dumps({"status": "skipped: budget spent"}))
             print(f"[bench] level {i}/{len(plan.levels)}: skipped, budget spent")
             continue
-        timeout = min(plan.timeout_s, remaining / 2 if first_of_pair else remaining)
+        timeout = min(level.timeout_s or plan.timeout_s,
+                      remaining / 2 if first_of_pair else remaining)  # fmt: skip
         head = (
             f"[bench] level {i}/{len(plan.levels)}: {level.target}, "
             f"{level.input_len} prompt tokens, concurrency {level.concurrency}, "

@@ -6,11 +6,14 @@ runs it) against the router and against the colocated reference, the
 prefill's transfer counters read around the P/D level, and the report built
 from what it wrote. No speed is asserted: only that the bench measured what
 happened (every request completed and counted, the bytes equal to the
-model's KV layout).
+model's KV layout). Then the KV path's sweep for one state (bench.kv_path:
+a warm-up, one fresh request, a small burst, one fragmented request) on the
+same stack, read back and rendered.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -20,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from bench import kv_transfer, report
+from bench import kv_path, kv_transfer, report, settings
 from bench.vllm_bench import Level, Plan
 from conftest import Stack
 
@@ -36,13 +39,31 @@ def model_path(url: str) -> str:
     return str(models[0]["root"])
 
 
-def test_bench_sweep_measures_the_stack(stack: Stack, tmp_path: Path) -> None:
+def write_layout(stack: Stack, out: Path) -> str:
+    """What bench.run writes before a sweep: the stack's own layout; the profile."""
     profile = os.environ.get("PD_PROFILE", "tiny")
-    # What bench.run writes before a sweep: the stack's own layout.
     layout = kv_transfer.served_layout(stack.prefill, profile)
     if layout is None:
         pytest.skip(f"no model configs of profile {profile!r} on this host")
-    (tmp_path / "kv_layout.json").write_text(json.dumps(layout))
+    (out / "kv_layout.json").write_text(json.dumps(layout))
+    (out / "meta.json").write_text(json.dumps({"profile": profile}))
+    return profile
+
+
+def run_sweep(plan: Plan, out: Path) -> None:
+    """bench.vllm_bench in its own process, as `make bench` runs it."""
+    plan_file = out / "plan.json"
+    plan_file.write_text(json.dumps(plan.to_json()))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.vllm_bench", str(plan_file)],
+        cwd=ROOT, env=env, timeout=DEADLINE_S, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_bench_sweep_measures_the_stack(stack: Stack, tmp_path: Path) -> None:
+    write_layout(stack, tmp_path)
     raw = tmp_path / "raw"
     raw.mkdir()
     levels = tuple(
@@ -62,15 +83,7 @@ def test_bench_sweep_measures_the_stack(stack: Stack, tmp_path: Path) -> None:
         for target, url in (("pd", stack.router), ("colocated", stack.reference))
     )
     plan = Plan("pd-model", model_path(stack.prefill), 8, DEADLINE_S / 2, levels)
-    plan_file = tmp_path / "plan.json"
-    plan_file.write_text(json.dumps(plan.to_json()))
-    (tmp_path / "meta.json").write_text(json.dumps({"profile": profile}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.vllm_bench", str(plan_file)],
-        cwd=ROOT, env=env, timeout=DEADLINE_S, capture_output=True, text=True,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run_sweep(plan, tmp_path)
     for level in levels:
         result = json.loads(Path(level.result_file).read_text())
         assert result["completed"] == PROMPTS, (level.target, result.get("errors"))
@@ -80,3 +93,34 @@ def test_bench_sweep_measures_the_stack(stack: Stack, tmp_path: Path) -> None:
     assert 1 <= level["kv"]["transfers"] <= PROMPTS
     assert summary["layout_checks_ok"] is True
     assert (tmp_path / "report.md").read_text().count("OK: ") == 1
+
+
+def test_kv_path_sweep_measures_each_request(stack: Stack, tmp_path: Path) -> None:
+    """One state's KV path sweep, tiny, on the suite's stack as it runs (the
+    bench restarts its own; this one is shared): every request's transfer
+    counted, its bytes equal to the layout, the burst completed."""
+    write_layout(stack, tmp_path)
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(
+        parser, {"BENCH_INPUT_LENS": str(INPUT_LEN), "BENCH_KV_PATH_REQUESTS": "1"}
+    )
+    chosen = settings.from_args(parser.parse_args([]))
+    burst = kv_path.Burst(prompts=4, concurrency=2, input_len=INPUT_LEN,
+                          output_len=8, timeout_s=DEADLINE_S / 4)  # fmt: skip
+    where = kv_path.state_dir(tmp_path, "staged")
+    plan = kv_path.plan(chosen, stack.router, stack.prefill, where,
+                        model_path(stack.prefill), burst)  # fmt: skip
+    run_sweep(plan, tmp_path)
+    result = kv_path.read(tmp_path)
+    assert result is not None
+    for name in kv_path.PASSES:
+        cell = result.cell("staged", name, INPUT_LEN)
+        assert cell is not None and len(cell.requests) == 1, name
+        (request,) = cell.requests
+        assert request.counters["transfers"] == 1 and request.counters["descriptors"]
+        assert request.transfer_ms() and request.ttft_ms > 0
+    assert result.bursts["staged"]["completed"] == burst.prompts
+    report.build(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert f"## {kv_path.TITLE}" in text
+    assert "bytes per request: all 2 equal the layout's whole blocks" in text

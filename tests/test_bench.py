@@ -6,7 +6,10 @@ control. No assertion here is about speed (timing belongs to `make bench`).
   `vllm bench serve` JSON from P/D and colocated servers on the CPU twin);
 - the router protocol read through the recording proxy, against the real
   vllm-router binary in front of stub backends;
-- `vllm bench serve`'s own parser accepting the arguments the bench passes.
+- `vllm bench serve`'s own parser accepting the arguments the bench passes;
+- the KV checksum's and the KV path's sections and targets from passes
+  written as the bench writes them, their plans, and the one restart
+  mechanism both use.
 """
 
 from __future__ import annotations
@@ -317,7 +320,7 @@ def test_report_from_a_recorded_run(run_dir: Path) -> None:
     assert summary["layout_checks_ok"] is True
     assert "| 128 | 1 |" in text and "OK: " in text
     names = [t["name"] for t in summary["targets"]]
-    assert len(names) == 7 and any("Router" in n for n in names)
+    assert len(names) == 10 and any("Router" in n for n in names)
     png = run_dir / "report.png"
     try:
         import matplotlib  # noqa: F401  (requirements/bench.txt)
@@ -558,3 +561,229 @@ def test_digest_benchmark_runs_the_plugins_digest_on_every_region() -> None:
     assert {m for _, m in methods} == set(kv_checksum.DIGEST_METHODS)
     assert 1 in {t for t, _ in methods}
     assert "| threads | digest GB/s |" in "\n".join(kv_checksum.digest_markdown(data))
+
+
+# --- the KV path: staged / direct, fresh / fragmented --------------------------------
+# Per state and pass: (descriptors, transfer seconds, TTFT ms) of a 1024- and a
+# 4096-token request (64 and 256 blocks: 19.9 and 79.7 MB).
+KV_PATHS = {
+    ("staged", "fresh"): {1024: (19, 0.025, 2000.0), 4096: (76, 0.1, 10_000.0)},
+    ("staged", "fragmented"): {1024: (19, 0.026, 2000.0), 4096: (76, 0.1, 10_000.0)},
+    ("direct", "fresh"): {1024: (9, 0.05, 2000.0), 4096: (18, 0.2, 10_000.0)},
+    ("direct", "fragmented"): {1024: (576, 0.2, 2200.0), 4096: (2304, 0.8, 11_000.0)},
+}
+# The engine alone with one descriptor: 1 GB/s at 16 and 64 MiB.
+ENGINE_GBPS = {16 << 20: 1.0, 64 << 20: 1.0}
+
+
+def engine_json(gbps: dict[int, float]) -> list[dict[str, Any]]:
+    """transfer_engine.json as bench.transfer_engine writes it: every method
+    at every size, ``gbps`` for the engine's one descriptor."""
+    samples = [
+        te.Sample(method, size, 1, [size / (rate * 1e9 if method == "engine" else 4e9)])
+        for size, rate in gbps.items()
+        for method in te.METHODS
+    ]
+    return te.to_json(samples)
+
+
+def write_kv_path_run(
+    run_dir: Path, cells: dict[tuple[str, str], Any] = KV_PATHS, requests_n: int = 3
+) -> None:
+    """A KV path run as the bench leaves it: per state and pass, single-request
+    levels (vllm bench serve's keys) with their transfer counters; per state
+    the burst's level and state.json; the engine alone."""
+    from bench import kv_path
+
+    for (state, name), by_len in cells.items():
+        where = kv_path.state_dir(run_dir, state)
+        (where / name).mkdir(parents=True, exist_ok=True)
+        for length, (descriptors, seconds, ttft) in by_len.items():
+            for i in range(requests_n):
+                stem = where / name / f"pd-in{length}-c1-r{i}"
+                result = {"target": "pd", "input_len": length, "concurrency": 1,
+                          "completed": 1, "p50_ttft_ms": ttft + i,
+                          "input_lens": [length], "errors": [""]}  # fmt: skip
+                stem.with_suffix(".json").write_text(json.dumps(result))
+                kv = counters([length], seconds=seconds, descriptors=descriptors)
+                stem.with_suffix(".kv.json").write_text(json.dumps(kv))
+        burst = {"target": "pd", "input_len": 1024, "concurrency": 8,
+                 "completed": 16, "failed": 0, "input_lens": [103, 1940],
+                 "output_lens": [5, 91]}  # fmt: skip
+        (where / "burst.json").write_text(json.dumps(burst))
+        status = {"status": "ok", "seconds": 41.0}
+        (where / "burst.status.json").write_text(json.dumps(status))
+        data = kv_path.state_json(kv_path.STATE_ENV[state], 60.0)
+        (where / kv_path.STATE_FILE).write_text(json.dumps(data))
+    (run_dir / "transfer_engine.json").write_text(json.dumps(engine_json(ENGINE_GBPS)))
+
+
+def test_report_renders_the_kv_path_section(run_dir: Path) -> None:
+    write_kv_path_run(run_dir)
+    summary = report.build(run_dir)
+    text = (run_dir / "report.md").read_text()
+    head = "\n\n## KV path: staged / direct sends, fresh / fragmented block lists\n\n"
+    assert head in text
+    # 64 blocks of 311296 B in 25 ms: 797 MB/s, 79.7% of 1 GB/s at 16 MiB; the
+    # TTFTs 2000, 2001, 2002 ms.
+    assert ("| staged | fresh | 1024 | 3 | 19 | 25.0 | 797 | 2,001 | 1.2% | "
+            "79.7% (16 MiB) |") in text  # fmt: skip
+    assert (
+        "| staged | fragmented | 4096 | 3 | 76 | 100.0 | 797 | 10,001 | 1.0% |" in text
+    )
+    assert (
+        "| direct | fragmented | 4096 | 3 | 2,304 | 800.0 | 100 | 11,001 | 7.3% |"
+        in text
+    )
+    assert "- direct: `PD_MOONCAKE_KV_STAGING_MIB=0`, stack (re)started in 60 s" in text
+    assert (
+        "warm-up 16 of 16 requests, prompts 103-1940, outputs 5-91 tokens, ok" in text
+    )
+    assert "bytes per request: all 24 equal the layout's whole blocks" in text
+    assert "not in effect" not in text
+    cells = summary["kv_path"]["cells"]
+    assert [(c["state"], c["pass"], c["input_len"]) for c in cells[:3]] == [
+        ("staged", "fresh", 1024), ("staged", "fresh", 4096),
+        ("staged", "fragmented", 1024),
+    ]  # fmt: skip
+    assert cells[0]["vs_engine_bulk"] == pytest.approx(64 * BLOCK / 0.025 / 1e9)
+    names = [t["name"] for t in summary["targets"]]
+    assert sum("KV staging" in n for n in names) == 3
+
+
+def kv_path_targets(run_dir: Path) -> dict[str, Any]:
+    """The KV path's three targets, by the words after 'KV staging: '."""
+    from bench import kv_path
+
+    comparisons = te.compare(te.from_json(engine_json(ENGINE_GBPS)))
+    checks = judge([], None, comparisons, None, None, (), kv_path.read(run_dir))
+    return {t.name.split(": ")[1].split(",")[0]: t for t in checks[-3:]}
+
+
+def test_kv_path_targets_are_judged_by_their_numbers(tmp_path: Path) -> None:
+    write_kv_path_run(tmp_path)
+    got = kv_path_targets(tmp_path)
+    rate, frag, share = (got[k] for k in ("stack rate vs engine bulk",
+                                          "fragmented rate vs fresh",
+                                          "transfer share of TTFT"))  # fmt: skip
+    # 797 and 766 MB/s against 1 GB/s: 77-80%, over 70%.
+    assert rate.met is True and "1024 fragmented: 76.6%" in rate.measured
+    assert "4096 fresh 797 vs 1,000 MB/s (64 MiB)" in rate.note
+    # 766 / 797 = 96% at 1024; direct's own drop is the note.
+    assert frag.met is True and frag.measured == "1024: 96.2%; 4096: 100.0%"
+    assert frag.note.startswith("direct: 1024 25.0%, 4096 25.0%")
+    # 100 ms of 10,001: 1.0%, on the line.
+    assert share.met is True and "fresh 100 of 10,001 ms" in share.note
+    # A slower staged 4096 fresh pass misses all three, each with its advice.
+    slower = {
+        ("staged", "fresh"): {1024: (19, 0.025, 2000.0), 4096: (76, 0.2, 10_000.0)}
+    }
+    write_kv_path_run(tmp_path, slower)
+    missed = kv_path_targets(tmp_path)
+    assert [t.met for t in missed.values()] == [False, True, False]
+    assert all(t.advice for t in missed.values() if t.met is False)
+    # More than 100%: the fragmented pass may be faster, still "the same".
+    assert missed["fragmented rate vs fresh"].measured.endswith("4096: 200.0%")
+
+
+def test_kv_path_targets_without_measurements(tmp_path: Path) -> None:
+    """No run: not measured; no engine results: the rate is not judged; a
+    length missing from a pass leaves its target unresolved, not met."""
+    assert all(t.met is None for t in judge([], None, [], None)[-3:])
+    write_kv_path_run(tmp_path)
+    from bench import kv_path
+
+    rate = judge([], None, [], None, None, (), kv_path.read(tmp_path))[-3]
+    assert rate.met is None and "no engine results" in rate.measured
+    for p in (tmp_path / "kv_path" / "staged" / "fragmented").glob("pd-in4096-*"):
+        p.unlink()
+    got = kv_path_targets(tmp_path)
+    frag = got["fragmented rate vs fresh"]
+    assert frag.met is None and "not measured: 4096" in frag.note
+
+
+def test_kv_path_says_when_staging_was_not_in_effect(run_dir: Path) -> None:
+    """Negative control: a 'staged' state that sent what direct sent (a plugin
+    without staging) is named in the section and the targets' notes."""
+    same = {(state, name): by for (_, name), by in KV_PATHS.items()
+            if _ == "direct" for state in ("staged", "direct")}  # fmt: skip
+    write_kv_path_run(run_dir, same)
+    report.build(run_dir)
+    text = (run_dir / "report.md").read_text()
+    assert "(4096 tokens: fresh 18 vs 18, fragmented 2304 vs 2304): staging was" in text
+    assert all("not in effect" in t.note for t in kv_path_targets(run_dir).values())
+
+
+def test_kv_path_plan_sends_the_same_distinct_prompts_in_both_states(
+    tmp_path: Path,
+) -> None:
+    from bench import kv_path
+
+    chosen = parsed(BENCH_KV_PATH_REQUESTS="2")
+    plans = [
+        kv_path.plan(chosen, "http://r", "http://p", kv_path.state_dir(tmp_path, s),
+                     "/tok")
+        for s in kv_path.STATES
+    ]  # fmt: skip
+    staged, direct = ([(lv.input_len, lv.seed) for lv in p.levels] for p in plans)
+    assert staged == direct and len(staged) == 1 + 3 * 2 + 1 + 3 * 2
+    assert len({seed for _, seed in staged}) == len(staged)
+    levels_ = plans[0].levels
+    assert levels_[0].result_file.endswith("staged/fresh/warmup-in128.json")
+    burst = levels_[7]
+    assert burst.result_file.endswith("staged/burst.json")
+    assert (burst.concurrency, burst.num_prompts) == (8, 16) and burst.range_ratio
+    assert burst.timeout_s and burst.output_len and burst.kv_file
+    single = [lv for lv in levels_ if lv is not burst]
+    assert all(lv.num_prompts == lv.concurrency == 1 for lv in single)
+    assert all(lv.kv_file and lv.prefill_url for lv in levels_)
+    assert levels_[8].result_file.endswith("staged/fragmented/pd-in128-c1-r0.json")
+    assert (tmp_path / "kv_path" / "direct" / "fragmented").is_dir()
+    # The checksum's requests are other prompts.
+    from bench import kv_checksum
+
+    checksum = kv_checksum.plan(chosen, "http://r", "http://p", tmp_path, "/tok")
+    assert not {lv.seed for lv in checksum.levels} & {seed for _, seed in staged}
+
+
+def test_kv_path_engine_sizes_are_the_configured_ones_nearest_its_transfers(
+    tmp_path: Path,
+) -> None:
+    from bench import kv_path
+
+    write_kv_path_run(tmp_path)
+    sizes = settings.parse_sizes(settings.DEFAULT_TRANSFER_SIZES)
+    assert kv_path.sizes_for(kv_path.read(tmp_path), sizes) == (16 << 20, 64 << 20)
+    assert kv_path.sizes_for(None, sizes) == ()
+    # Nothing within a factor of 4: no size is a transfer's own.
+    assert kv_path.sizes_for(kv_path.read(tmp_path), (64 << 10,)) == ()
+
+
+def test_a_stack_restarts_with_its_setting_and_only_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bench.stack.restart_pd, the one way the checksum and KV path steps
+    change a setting: the P/D servers stopped first, started with the
+    setting in their environment, the bench's own environment as it was."""
+    import os
+
+    from bench import stack
+
+    seen: list[tuple[str, str | None]] = []
+
+    class Own:
+        def stop(self, names: list[str]) -> None:
+            seen.append(("stop", ",".join(names)))
+
+    def start(own: Any, profile: str) -> tuple[Any, dict[str, float], list[str]]:
+        seen.append(("start", os.environ.get("PD_MOONCAKE_KV_STAGING_MIB")))
+        return None, {"total": 1.0}, []
+
+    monkeypatch.delenv("PD_MOONCAKE_KV_STAGING_MIB", raising=False)
+    monkeypatch.setattr(stack, "_start_pd", start)
+    own: Any = Own()
+    stack.restart_pd(own, "tiny", {"PD_MOONCAKE_KV_STAGING_MIB": "0"})
+    stack.restart_pd(own, "tiny", {})
+    assert seen == [("stop", "router,decode,prefill"), ("start", "0"),
+                    ("stop", "router,decode,prefill"), ("start", None)]  # fmt: skip
+    assert "PD_MOONCAKE_KV_STAGING_MIB" not in os.environ
