@@ -13,86 +13,31 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
+from hosts_helpers import (
+    RUN_DIR,
+    Hosts,
+    counters,
+    decode_that_pulled_from,
+    deltas,
+    direct_pull_seconds,
+    in_flight_while,
+    progress,
+    wait_idle,
+)
 
-from conftest import E2E_RUN_DIR, Stack
 from faults_helpers import (
     KV_FETCH,
-    Outcome,
     greedy,
     post,
     references,
-    server_state,
     settings,
     stack_settings,
 )
-from faults_helpers import (
-    leaks as off_idle,
-)
 from pdstack import hosts, wait
 from pdstack import metrics as m
-
-RUN_DIR = E2E_RUN_DIR.parent / "hosts"
-
-
-@dataclass
-class Hosts:
-    twin: hosts.HostsTwin
-    bounds: dict[str, float]
-    idle: dict[str, float]
-
-    @property
-    def reference(self) -> Stack:
-        """A colocated server: prefill-0 (at its current address) asked
-        without transfer parameters."""
-        url = self.twin.url("prefill-0")
-        return Stack(self.twin.router, url, self.twin.url("decode-0"), url, True)
-
-    @property
-    def run_dir(self) -> Path:
-        return self.twin.run_dir
-
-    def servers(self, role: str) -> list[str]:
-        return self.twin.servers(role)
-
-    def all_servers(self) -> list[str]:
-        return [*self.servers("prefill"), *self.servers("decode")]
-
-    def state(self) -> dict[str, float]:
-        """faults_helpers.server_state of every server, keyed by its name."""
-        now: dict[str, float] = {}
-        for name in self.all_servers():
-            now |= server_state(self.twin.url(name), hosts.role_of(name), name)
-        return now
-
-
-def _progress(line: str) -> None:
-    print(f"[hosts twin] {line}", flush=True)
-
-
-def wait_idle(h: Hosts, deadline_s: float | None = None) -> dict[str, float]:
-    """Leaks left on any server after ``deadline_s`` (default the idle bound;
-    empty: none)."""
-    return wait.poll_last(
-        lambda: off_idle(h.state(), h.idle),
-        lambda found: not found,
-        deadline_s or h.bounds["idle"],
-        "hosts idle",
-        0.5,
-    )[1]
-
-
-def counters(h: Hosts) -> dict[str, m.Snapshot]:
-    return {name: m.scrape(h.twin.url(name)) for name in h.all_servers()}
-
-
-def deltas(h: Hosts, before: dict[str, m.Snapshot]) -> dict[str, m.Snapshot]:
-    return {name: m.scrape(h.twin.url(name)) - snap for name, snap in before.items()}
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +48,7 @@ def stack_hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
     role_env, router_extra = stack_settings(cfg)
     twin = hosts.HostsTwin(
         run_dir=RUN_DIR,
-        progress=_progress,
+        progress=progress,
         role_env=role_env,
         router_extra=router_extra,
     )
@@ -117,23 +62,6 @@ def stack_hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
         yield h
     finally:
         twin.down()
-
-
-def in_flight_while(
-    h: Hosts, bodies: list[dict], fault: Callable[[], None]
-) -> tuple[list[Outcome], float]:
-    """``bodies`` sent through the router at once while ``fault`` runs
-    beside them: the outcomes, and the seconds from the fault's end until
-    the last terminal answer."""
-    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
-        futures = [
-            pool.submit(post, h.twin.router, b, timeout=h.bounds["request"])
-            for b in bodies
-        ]
-        fault()
-        done_at = time.monotonic()
-        got = [f.result() for f in futures]
-    return got, time.monotonic() - done_at
 
 
 def test_xpyd_every_replica_serves_exact_answers(stack_hosts: Hosts) -> None:
@@ -299,37 +227,6 @@ slow = pytest.mark.skipif(
 )
 
 
-def _decode_that_pulled_from(h: Hosts, prefill: str, salt: int) -> str:
-    """Requests through the router until one is served by ``prefill``; the
-    decode that served it (it has the prefill's address cached now). The
-    router names both in the completion id."""
-    for i in range(8):
-        body = greedy(h.reference.prompt(20, salt=salt + i), 2)
-        got = post(h.twin.router, body, timeout=h.bounds["request"])
-        pair = re.search(r"prefill_addr_([\w-]+):\d+___decode_addr_([\w-]+):", got.body)
-        if got.status == 200 and pair and pair.group(1) == prefill:
-            return pair.group(2)
-    raise AssertionError(f"no request through the router reached {prefill}")
-
-
-def _direct_pull_seconds(
-    h: Hosts, decode: str, engine_id: str, bootstrap: str, salt: int
-) -> tuple[int | None, float]:
-    """A request sent straight to ``decode`` whose KV is to come from
-    ``engine_id`` at ``bootstrap`` (under a transfer id no prefill knows):
-    (HTTP status, seconds until decode's terminal answer)."""
-    body = greedy(h.reference.prompt(24, salt=salt), 4)
-    params = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "transfer_id": f"hosts-{salt}",
-        "remote_engine_id": engine_id,
-        "remote_bootstrap_addr": bootstrap,
-    }
-    got = post(h.twin.url(decode), {**body, "kv_transfer_params": params}, timeout=120)
-    return got.status, got.seconds
-
-
 @slow
 def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(
     stack_hosts: Hosts,
@@ -342,11 +239,11 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(
     h = stack_hosts
     # A pull from a prefill this decode has not met yet asks its bootstrap
     # server first (upstream: three tries): compare pulls from a known one.
-    decode = _decode_that_pulled_from(h, "prefill-1", salt=6500)
+    decode = decode_that_pulled_from(h, "prefill-1", salt=6500)
     bootstrap = "http://prefill-1:" + str(h.twin.ports.bootstrap)
     h.twin.net.link("prefill-1", False)
     try:
-        silent_status, silent_s = _direct_pull_seconds(
+        silent_status, silent_s = direct_pull_seconds(
             h, decode, "prefill-1", bootstrap, 6510
         )
     finally:
@@ -371,7 +268,7 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(
         if g.status == 200 and g.token_ids != e
     ]
     try:
-        dead_status, dead_s = _direct_pull_seconds(
+        dead_status, dead_s = direct_pull_seconds(
             h, decode, "prefill-1", bootstrap, 6511
         )
         # The router's health checks (faults.yaml: every 2 s) drop prefill-1.
@@ -445,22 +342,18 @@ def test_one_of_two_decodes_killed(stack_hosts: Hosts) -> None:
 
 
 @slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known defect (issue 14): prefill's send to a decode that already "
-    "failed the pull for a silent prefill still lands after a partition heals",
-)
-def test_a_partition_mid_transfer_never_writes_after_decode_gave_up(
+def test_a_partition_mid_transfer_lands_late_writes_in_a_held_back_span(
     stack_hosts: Hosts,
 ) -> None:
     """prefill-1's link shaped to 50 Mbit/s (a 2000-token transfer takes
     seconds) and cut while a transfer is on its way; decode fails the pull
-    (a silent prefill) and gives the blocks back; the link comes back. No
-    byte of that send may land afterwards: prefill's successful transfers
-    stay at 0 for the request decode failed."""
+    (a silent prefill) and gives the blocks back; the link comes back, and
+    descriptors of that send still complete (measured before staging: 4 of 9
+    landed 38 s after decode gave up, into blocks it had freed). Now the send
+    is one staged record (pd_mooncake.staging): its descriptors can only land
+    in decode's staging span, which decode holds back, never in KV blocks."""
     h = stack_hosts
-    decode = _decode_that_pulled_from(h, "prefill-1", salt=6700)
+    decode = decode_that_pulled_from(h, "prefill-1", salt=6700)
     # Round-robin: the next request goes to prefill-0, the one after to 1.
     post(h.twin.router, greedy(h.reference.prompt(20, salt=6705), 2), timeout=60)
     h.twin.net.shape("prefill-1", "50mbit")
@@ -507,12 +400,17 @@ def test_a_partition_mid_transfer_never_writes_after_decode_gave_up(
     if got.status == 200 or not p.total(m.RETRIED_TRANSFERS):
         # Not the case under test (RuntimeError: no xfail): the cut missed.
         raise RuntimeError(f"the cut missed prefill-1's transfer: {got.body[:200]}")
+    held = "KV staging span of" in h.twin.procs.log(decode).read_text(errors="replace")
+    # The stalled send: one staged record (in 1 MiB chunks), whose chunks can
+    # only land in decode's span; a direct send says "direct".
+    kinds = re.findall(r"descriptors pending, none done in [\d.]+s, ([\w ]+)\)", text)
     print(
         f"cut mid-transfer: client HTTP {got.status} in {got.seconds:.1f}s, decode "
-        f"failed receives {d.total(m.FAILED_RECVS):.0f}; prefill-1 afterwards: "
-        f"resent {p.total(m.RETRIED_TRANSFERS):.0f}, pending (of all) after the "
-        f"heal {late}"
+        f"failed receives {d.total(m.FAILED_RECVS):.0f}, span held back {held}; "
+        f"prefill-1: resent {p.total(m.RETRIED_TRANSFERS):.0f}, "
+        f"the stalled send {kinds[-1:]}, pending (of all) after the heal {late}"
     )
     assert got.status is not None and got.status >= 400
     assert d.total(m.FAILED_RECVS) >= 1
-    assert late == [], "prefill wrote into blocks decode had given away"
+    assert kinds[-1:] == ["a staged record"], "the stalled send was not staged"
+    assert held, "decode reused the span of a pull whose writes may still land"

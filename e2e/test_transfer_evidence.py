@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import Stack
+from pd_mooncake import staging
 from pdstack import client, kv_layout
 from pdstack import metrics as m
 
@@ -79,3 +80,26 @@ def test_prefill_transfer_metrics(
     assert regions.get(kv_layout.GQA, 0) == layout.transfer_bytes(tokens, kv_layout.GQA)
     assert regions.get(kv_layout.MLA, 0) > 0
     assert regions.get(kv_layout.GQA, 0) > 0
+
+
+def test_a_staged_transfer_takes_few_descriptors(
+    sent: tuple[int, m.Snapshot, m.Snapshot],
+    stack: Stack,
+    layout: kv_layout.KVLayout,
+) -> None:
+    """With a staging buffer on both servers (pd_mooncake.staging) the
+    request's KV crosses as one record in 1 MiB descriptors: a header naming
+    at most one descriptor per block and region, then the bytes. Without it
+    upstream sends at least one descriptor per region (9 here)."""
+    staged = [m.scrape(u).total(m.STAGING_BYTES) for u in (stack.prefill, stack.decode)]
+    if not all(staged):
+        pytest.skip(f"KV staging is off on this stack (buffer bytes {staged})")
+    length, _, prefill = sent
+    tokens = kv_layout.tokens_loaded(length)
+    blocks = -(-tokens // layout.block_size)
+    regions = sum(r.layers for r in layout.regions)
+    record = staging.record_bytes([0] * (blocks * regions)) + prefill.total(m.BYTES)
+    most = -(-record // staging.CHUNK_BYTES)
+    descriptors = prefill.total(m.DESCRIPTORS)
+    print(f"{length}-token prompt: {descriptors:.0f} descriptors, at most {most}")
+    assert 1 <= descriptors <= most

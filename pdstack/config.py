@@ -171,6 +171,14 @@ ENV_OVERRIDES: dict[str, tuple[str, tuple[str, ...], type]] = {
         ("kv_connector_extra_config", "kv_checksum"),
         bool,
     ),
+    # MiB of the KV staging buffer (configs/vllm); 0 sends one descriptor per
+    # block run, as upstream does. Each role's own: decode offers, prefill
+    # accepts.
+    "PD_MOONCAKE_KV_STAGING_MIB": (
+        "kv-transfer-config",
+        ("kv_connector_extra_config", "kv_staging_mib"),
+        int,
+    ),
     # One stable engine id per prefill replica (configs/vllm/prefill.yaml:
     # one id for every replica would mix their side channels); Kubernetes sets
     # it to the StatefulSet pod name, which survives a restart.

@@ -36,6 +36,7 @@ KV_CACHE_INFO = plugin.KV_CACHE_INFO
 CHECKSUM_MISMATCH = f"{plugin.CHECKSUM_MISMATCH}_total"
 CHECKSUM_MATCH = f"{plugin.CHECKSUM_MATCH}_total"
 CHECKSUM_ENABLED = plugin.CHECKSUM_ENABLED
+STAGING_BYTES = plugin.STAGING_BYTES
 RUNNING = "vllm:num_requests_running"
 
 Labels = frozenset[tuple[str, str]]

@@ -46,6 +46,7 @@ def test_env_overrides_reach_the_connector_config() -> None:
         "mooncake_protocol": "rdma",
         "device_name": "mlx5_0",
         "kv_checksum": True,
+        "kv_staging_mib": 256,
     }
     argv = config.render(flags, {"tiny_target": "t", "tiny_draft": "d"})
     rendered = json.loads(flag_value(argv, "--kv-transfer-config"))
@@ -55,7 +56,19 @@ def test_env_overrides_reach_the_connector_config() -> None:
     assert base["kv-transfer-config"]["kv_connector_extra_config"] == {
         "mooncake_protocol": "tcp",
         "kv_checksum": True,
+        "kv_staging_mib": 256,
     }
+
+
+def test_the_kv_staging_buffer_can_be_sized_by_the_environment() -> None:
+    for role in config.ROLES:
+        flags = config.with_env_overrides(
+            config.vllm_flags(role, "tiny", "cpu"), {"PD_MOONCAKE_KV_STAGING_MIB": "0"}
+        )
+        extra = flags["kv-transfer-config"]["kv_connector_extra_config"]
+        assert extra["kv_staging_mib"] == 0
+    with pytest.raises(config.ConfigError, match="PD_MOONCAKE_KV_STAGING_MIB"):
+        config.with_env_overrides({}, {"PD_MOONCAKE_KV_STAGING_MIB": "lots"})
 
 
 @pytest.mark.parametrize(("raw", "on"), [("0", False), ("false", False), ("1", True)])

@@ -46,14 +46,13 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
 
-from pd_mooncake import metric_names
+from pd_mooncake import metric_names, wire
 
 logger = logging.getLogger("vllm.pd_mooncake")
 
@@ -73,19 +72,9 @@ CHUNK_BYTES = 1 << 20
 _MASK = (1 << 64) - 1
 
 
-class XferMetadata(upstream.MooncakeXferMetadata, omit_defaults=True):
-    """Decode's pull, saying whether it wants digests (upstream's prefill
-    decoder ignores the field; ours refuses a pull that disagrees)."""
-
-    pd_kv_checksum: bool = False
-
-
-class XferResponse(upstream.MooncakeXferResponse, omit_defaults=True):
-    """Prefill's answer with, per request in ``ok_reqs``, one digest per
-    registered region (prefill's order; ``pd_kv_regions`` names them)."""
-
-    pd_kv_digests: dict[str, list[int | None]] | None = None
-    pd_kv_regions: list[str] | None = None
+# The messages' checksum fields (pd_kv_checksum, pd_kv_digests, pd_kv_regions).
+XferMetadata = wire.XferMetadata
+XferResponse = wire.XferResponse
 
 
 # Prefill: digests of the requests of the send being built (computing while
@@ -217,34 +206,6 @@ def measure_throughput(
 
 
 # -- the worker side -----------------------------------------------------------
-class Encoder:
-    """Upstream's encoder, adding the pull's wish (decode) or the digests of
-    the answered requests (prefill)."""
-
-    def __init__(self, inner: Any, enabled: bool, region_names: Any) -> None:
-        self.inner = inner
-        self.enabled = enabled
-        self.region_names = region_names
-
-    def encode(self, obj: Any) -> bytes:
-        if self.enabled and type(obj) is upstream.MooncakeXferMetadata:
-            obj = XferMetadata(**msgspec.structs.asdict(obj), pd_kv_checksum=True)
-        elif type(obj) is upstream.MooncakeXferResponse and obj.ok_reqs:
-            pending = _PENDING.get()
-            if pending:
-                # Done long since, as a rule: the transfer takes longer.
-                digests = {
-                    r: pending.pop(r).result() for r in obj.ok_reqs if r in pending
-                }
-                if digests:
-                    obj = XferResponse(
-                        **msgspec.structs.asdict(obj),
-                        pd_kv_digests=digests,
-                        pd_kv_regions=list(self.region_names()),
-                    )
-        return self.inner.encode(obj)
-
-
 class ChecksumWorker:
     """Mixed into the connector worker (before upstream's class)."""
 
@@ -261,13 +222,26 @@ class ChecksumWorker:
         self._checksum_refused: set[str] = set()
         # One thread: digests of one send after another, beside the sends.
         self._digest_pool = ThreadPoolExecutor(1, "pd-kv-digest")
-        # Both decoders tolerate either side's messages: a prefill with the
-        # check off still reads (and refuses) a decode that wants digests.
-        self._xfer_meta_decoder = msgspec.msgpack.Decoder(XferMetadata)
-        self._xfer_resp_decoder = msgspec.msgpack.Decoder(XferResponse)
-        self._encoder = Encoder(
-            self._encoder, self.kv_checksum, lambda: self.registered_layer_names
-        )
+        encoder = wire.install(self)
+        encoder.pull_fields.append(self._checksum_pull_fields)
+        encoder.answer_fields.append(self._checksum_answer_fields)
+
+    def _checksum_pull_fields(self) -> dict[str, Any]:
+        return {"pd_kv_checksum": True} if self.kv_checksum else {}
+
+    def _checksum_answer_fields(self, answer: Any) -> dict[str, Any]:
+        """The digests of the answered requests (prefill)."""
+        pending = _PENDING.get()
+        if not pending or not answer.ok_reqs:
+            return {}
+        # Done long since, as a rule: the transfer takes longer.
+        digests = {r: pending.pop(r).result() for r in answer.ok_reqs if r in pending}
+        if not digests:
+            return {}
+        return {
+            "pd_kv_digests": digests,
+            "pd_kv_regions": list(self.registered_layer_names),
+        }
 
     # both sides ---------------------------------------------------------------
     def _checksum_pages(self) -> list[torch.Tensor]:

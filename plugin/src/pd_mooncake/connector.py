@@ -5,7 +5,6 @@ Subclasses keep upstream's transfer logic; each override says why it exists.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -22,11 +21,11 @@ from pd_mooncake import (
     checksum,
     cpu_support,
     extra_config,
-    faults,
     fixes,
     registration,
     reliability,
     send_deadline,
+    staging,
     stall_guard,
     tcp_limits,
 )
@@ -35,6 +34,8 @@ from pd_mooncake.metrics import (
     PDMooncakeStats,
     sending_descriptors,
 )
+from pd_mooncake.pull import PullWorker
+from pd_mooncake.staging_worker import Staged, StagingWorker
 from pd_mooncake.worker_regions import RegionsWorker
 
 # Under "vllm." so vLLM's logging configuration (handler, level) applies.
@@ -53,13 +54,6 @@ LIVENESS_INTERVAL_S = 2.0
 # kv_transfer_params key: the API request's transfer id, once a request has
 # its own (reliability.sibling_transfer_id).
 SIBLING_BASE = "pd_api_transfer_id"
-# Set on an upstream PullReqMeta once its KV has fully arrived: the count it
-# keeps (pull_tasks_count) is also 0 before a pull starts.
-LOADED = "pd_loaded"
-
-
-def _loaded(meta: Any) -> bool:
-    return bool(getattr(meta, LOADED, False))
 
 
 def _transfer_timeout() -> float:
@@ -93,7 +87,11 @@ def _upstream_builds(worker_cls: type) -> Iterator[None]:
 
 
 class PDMooncakeConnectorWorker(
-    RegionsWorker, checksum.ChecksumWorker, upstream.MooncakeConnectorWorker
+    RegionsWorker,
+    PullWorker,
+    checksum.ChecksumWorker,
+    StagingWorker,
+    upstream.MooncakeConnectorWorker,
 ):
     # Prefill: seconds without a descriptor completing before the pending
     # ones are sent again (kv_connector_extra_config.send_stall_s).
@@ -135,6 +133,7 @@ class PDMooncakeConnectorWorker(
             self._bound_sends(os.environ)
         self.stall_s = float(extra.get("send_stall_s", stall_guard.DEFAULT_STALL_S))
         self._install_checksum(extra if "kv_checksum" in attached else {})
+        self._install_staging(extra if "kv_staging" in attached else {})
 
     def _bound_sends(self, env: Any) -> None:
         """Prefill: fail start-up on timeouts that let a send outlive decode's
@@ -177,6 +176,7 @@ class PDMooncakeConnectorWorker(
         self._kv_pages = None
         if self.kv_checksum:
             self._checksum_pages()
+        self._register_staging()
         self.xfer_stats.region_map = self._region_map()
         self._log_region_report()
         tcp_limits.warn_if_prompt_can_overflow(
@@ -218,6 +218,7 @@ class PDMooncakeConnectorWorker(
             return not timeouts.may_start(now, clock.last_message)
 
         first = time.monotonic()
+        staged: Staged | None = None
 
         def may_resend(now: float) -> bool:
             # Submitted slices can write until Mooncake's own attempt
@@ -232,11 +233,12 @@ class PDMooncakeConnectorWorker(
             # moving again. The bytes are the same and decode still waits.
             logger.warning(
                 "PD Mooncake: send to %s stalled (%d of %d descriptors pending, "
-                "none done in %.1fs); sending those again",
+                "none done in %.1fs, %s); sending those again",
                 remote_session,
                 pending,
-                len(src_ptrs),
+                len(staged.src) if staged else len(src_ptrs),
                 self.stall_s,
+                "a staged record" if staged else "direct",
             )
             self.xfer_stats.record_retry()
 
@@ -254,22 +256,27 @@ class PDMooncakeConnectorWorker(
                 )
                 self.xfer_stats.record_failed_transfer()
                 return -1
+            # Few large descriptors where decode offered a span (staging).
+            staged = self._stage_send(src_ptrs, dst_ptrs, lengths)
             outcome = stall_guard.write(
                 self.engine,
                 remote_session,
-                src_ptrs,
-                dst_ptrs,
-                lengths,
+                *(
+                    (staged.src, staged.dst, staged.lengths)
+                    if staged
+                    else (src_ptrs, dst_ptrs, lengths)
+                ),
                 stall_s=self.stall_s,
                 may_resend=may_resend,
                 orphans=self.send_orphans,
                 on_resend=on_resend,
             )
+            self._staged_sent(staged, outcome.status == 0, outcome.resends)
             if outcome.status == 0:
                 self.xfer_stats.record_transfer(
                     duration_s=outcome.seconds,
                     total_bytes=sum(lengths),
-                    num_descs=len(src_ptrs),
+                    num_descs=len(staged.src) if staged else len(src_ptrs),
                 )
             else:
                 self.xfer_stats.record_failed_transfer()
@@ -296,6 +303,8 @@ class PDMooncakeConnectorWorker(
         arrival = send_deadline.PULL_ARRIVAL.get() or time.monotonic()
         clock = send_deadline.PullClock(arrival)
         token = send_deadline.PULL_CLOCK.set(clock)
+        # Decode's staging span for this pull, filled by its sends.
+        staging.TARGET.set(staging.Target.from_wire(getattr(meta, "pd_staging", None)))
         try:
             await super().send_kv_to_decode(
                 identity, send_deadline.StampingSocket(sock, clock), meta
@@ -303,6 +312,7 @@ class PDMooncakeConnectorWorker(
         finally:
             send_deadline.PULL_CLOCK.reset(token)
             send_deadline.PULL_ARRIVAL.set(None)
+            staging.TARGET.set(None)
 
     async def record_send_reqs(self, metadata: Any) -> None:
         # Upstream pops "not processed" ids without a default (see reliability).
@@ -311,79 +321,6 @@ class PDMooncakeConnectorWorker(
                 metadata.reqs_not_processed, self.reqs_need_send
             )
         await super().record_send_reqs(metadata)
-
-    async def receive_kv_from_single_worker(
-        self, worker_addr: str, pull_metas: dict
-    ) -> None:
-        """Upstream's pull, failed early if its prefill is gone (reliability):
-        upstream would wait ABORT_REQUEST_TIMEOUT + 60 s for an answer."""
-        interval = self.liveness_interval_s
-        upstream_pull = super().receive_kv_from_single_worker(worker_addr, pull_metas)
-        if not interval or not pull_metas:
-            await upstream_pull
-            return
-        first = next(iter(pull_metas.values()))
-        bootstrap, engine_id = first.remote_bootstrap_addr, first.remote_engine_id
-        pull = asyncio.ensure_future(upstream_pull)
-        gone_in_a_row = 0
-        wait_s = interval
-        while True:
-            done, _ = await asyncio.wait({pull}, timeout=wait_s)
-            if done:
-                pull.result()
-                return
-            probed = time.monotonic()
-            # A silent host takes the probe's whole timeout to answer; the
-            # next wait is shortened by it, so a silent prefill is failed as
-            # soon as a refusing one (REFUSALS_TO_FAIL probes, one interval
-            # apart).
-            reason, moved = await reliability.probe_pull(
-                bootstrap, engine_id, worker_addr, min(1.0, interval / 2)
-            )
-            if moved:
-                # Proof at once: the next pull asks the bootstrap server anew.
-                self._remote_agents.pop(engine_id, None)
-                break
-            wait_s = max(0.0, interval - (time.monotonic() - probed))
-            gone_in_a_row = gone_in_a_row + 1 if reason else 0
-            if gone_in_a_row >= reliability.REFUSALS_TO_FAIL:
-                break
-        pull.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await pull
-        # Only what is still outstanding: a request an earlier CONTINUE
-        # completed is already loaded and reported finished.
-        self._handle_failed_recv(
-            pull_metas,
-            [r for r, m in pull_metas.items() if not _loaded(m)],
-            f"prefill gone or moved: its bootstrap server {bootstrap} {reason}",
-        )
-
-    def _handle_failed_recv(self, pull_metas: dict, req_ids: Any, reason: str) -> None:
-        # Upstream reports every id it is given (mooncake_connector.py
-        # _handle_failed_recv), and its pull hands it the whole pull on an
-        # error or a socket timeout, even after a CONTINUE completed some:
-        # their blocks would be reported invalid and they finished a second
-        # time, which fails or recomputes a correct load, or trips the
-        # scheduler's `assert req_id in self.requests` once it moved on.
-        outstanding = [r for r in req_ids if not _loaded(pull_metas.get(r))]
-        super()._handle_failed_recv(pull_metas, outstanding, reason)
-
-    def process_pulling_result(self, response: Any, pull_metas: dict) -> None:
-        fault = faults.active_fault()
-        if fault == faults.CORRUPT_RECEIVED_KV:
-            self._corrupt(response, pull_metas)
-        # After the fault: the check must see what decode will compute with.
-        self._verify_kv_digests(response, pull_metas)
-        if fault == faults.CORRUPT_CHECKED_KV:
-            self._corrupt(response, pull_metas)
-        super().process_pulling_result(response, pull_metas)
-        for req_id in response.ok_reqs or ():
-            meta = pull_metas.get(req_id)
-            # Upstream reports a request finished when its last worker's part
-            # arrives (pull_tasks_count 0), unless it failed first.
-            if meta is not None and not meta.failed and meta.pull_tasks_count <= 0:
-                setattr(meta, LOADED, True)
 
 
 class PDMooncakeConnector(upstream.MooncakeConnector):

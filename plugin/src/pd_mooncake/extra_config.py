@@ -38,6 +38,10 @@ PLUGIN_KEYS: dict[str, type | tuple[type, ...]] = {
     # Prefill: seconds without a descriptor of a send completing before the
     # pending ones are sent again (pd_mooncake.stall_guard); > 0.
     "send_stall_s": (int, float),
+    # Both roles: MiB of a registered staging buffer; decode offers a span of
+    # it per pull, prefill sends a request's blocks through its own as a few
+    # large descriptors (pd_mooncake.staging). 0: one descriptor per block run.
+    "kv_staging_mib": int,
 }
 KNOWN_KEYS = {**UPSTREAM_KEYS, **PLUGIN_KEYS}
 
@@ -87,6 +91,11 @@ def validate(extra: Mapping[str, Any]) -> None:
         raise ExtraConfigError(
             "kv_connector_extra_config['send_stall_s'] must be a number > 0, "
             f"got {stall!r}"
+        )
+    if extra.get("kv_staging_mib", 0) < 0:
+        raise ExtraConfigError(
+            "kv_connector_extra_config['kv_staging_mib'] must be >= 0, "
+            f"got {extra['kv_staging_mib']}"
         )
     workers = extra.get("num_workers", 1)
     if workers < 1:

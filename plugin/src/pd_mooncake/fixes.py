@@ -104,6 +104,12 @@ def _checksum_on(extra: Mapping[str, Any], producer: bool, consumer: bool) -> bo
     return bool(extra.get("kv_checksum"))
 
 
+def _staging_on(extra: Mapping[str, Any], producer: bool, consumer: bool) -> bool:
+    from pd_mooncake import staging
+
+    return bool(extra.get(staging.KEY))
+
+
 def _backport_on(extra: Mapping[str, Any], producer: bool, consumer: bool) -> bool:
     """Asked for, or needed: upstream without PR 39596 (vLLM 0.19.x) dies on
     the seed's assertion for an MLA target with a GQA draft."""
@@ -320,6 +326,56 @@ FIXES: tuple[Fix, ...] = (
             Attr("PullReqMeta", "failed"),
         ),
         _checksum_on,
+    ),
+    Fix(
+        # pd_mooncake.staging: decode offers a span in its pull, prefill
+        # writes a record there and names it in its answer, decode copies the
+        # record into the blocks before upstream reports them received.
+        "kv_staging",
+        (
+            Method(
+                WORKER,
+                "_send_blocks",
+                ("remote_session", "src_ptrs", "dst_ptrs", "lengths"),
+            ),
+            Method(WORKER, "send_kv_to_decode", ("identity", "sock", "meta"), True),
+            Method(
+                WORKER,
+                "receive_kv_from_single_worker",
+                ("worker_addr", "pull_metas"),
+                True,
+            ),
+            Method(WORKER, "process_pulling_result", ("response", "pull_metas")),
+            Method(WORKER, "_handle_failed_recv", ("pull_metas", "req_ids", "reason")),
+            Method(WORKER, "_logical_to_kernel_block_ids", ("block_ids",)),
+            # Sends run in the executor with the pull's context (the target).
+            Calls(WORKER, "send_kv_to_decode", "self.sender_loop.run_in_executor"),
+            Calls(WORKER, "send_kv_to_decode", "self._encoder.encode"),
+            Calls(WORKER, "receive_kv_from_single_worker", "self._encoder.encode"),
+            Calls(
+                WORKER,
+                "receive_kv_from_single_worker",
+                "self._xfer_resp_decoder.decode",
+            ),
+            Calls(WORKER, "_sender_worker", "self._xfer_meta_decoder.decode"),
+            Calls(
+                WORKER, "receive_kv_from_single_worker", "self.process_pulling_result"
+            ),
+            *(
+                Attr(WORKER, a)
+                for a in (
+                    "engine",
+                    "_encoder",
+                    "_xfer_meta_decoder",
+                    "_xfer_resp_decoder",
+                    "device_kv_caches",
+                    "block_len_per_layer",
+                )
+            ),
+            Attr("MooncakeXferResponse", "ok_reqs"),
+            Attr("PullReqMeta", "local_block_ids"),
+        ),
+        _staging_on,
     ),
     Fix(
         "received_kv_fault",

@@ -26,6 +26,8 @@ KV_CACHE_INFO = "vllm:mooncake_kv_cache_info"
 CHECKSUM_MISMATCH = "vllm:mooncake_kv_checksum_mismatch"
 CHECKSUM_MATCH = "vllm:mooncake_kv_checksum_match"
 CHECKSUM_ENABLED = "vllm:mooncake_kv_checksum_enabled"
+# Bytes of the KV staging buffer (pd_mooncake.staging) as configured; 0: off.
+STAGING_BYTES = "vllm:mooncake_kv_staging_bytes"
 
 # (counter, stats key, help): one increment per list item.
 COUNTERS = (

@@ -240,8 +240,15 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
             multiprocess_mode="mostrecent",
             labelnames=labelnames,
         )
+        staging_bytes = self._gauge_cls(
+            name=names.STAGING_BYTES,
+            documentation="Bytes of the KV staging buffer (kv_staging_mib); 0: off.",
+            multiprocess_mode="mostrecent",
+            labelnames=labelnames,
+        )
         for labels in per_engine_labelvalues.values():
             enabled.labels(*labels).set(int(bool(extra.get(checksum.KEY))))
+            staging_bytes.labels(*labels).set(int(extra.get("kv_staging_mib", 0)) << 20)
 
     def _own_histograms(self, labelnames, per_engine_labelvalues) -> None:
         for attr, name, documentation, buckets in (

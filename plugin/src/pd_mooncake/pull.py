@@ -1,0 +1,117 @@
+"""Decode's pull (worker side): upstream's, with a staging span offered
+(pd_mooncake.staging), failed early when its prefill is gone
+(pd_mooncake.reliability), and requests counted once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from pd_mooncake import faults, reliability, staging
+
+# Set on an upstream PullReqMeta once its KV has fully arrived: the count it
+# keeps (pull_tasks_count) is also 0 before a pull starts.
+LOADED = "pd_loaded"
+
+
+def _loaded(meta: Any) -> bool:
+    return bool(getattr(meta, LOADED, False))
+
+
+class PullWorker:
+    """Mixed into the connector worker (before upstream's class)."""
+
+    liveness_interval_s: float = 0.0
+
+    async def receive_kv_from_single_worker(
+        self, worker_addr: str, pull_metas: dict
+    ) -> None:
+        """Upstream's pull with a staging span offered (released, or held back
+        if a write may still land, when the pull is over)."""
+        offer = self._staging_offer(pull_metas)
+        staging.OFFER.set(offer)
+        try:
+            await self._pull_while_alive(worker_addr, pull_metas)
+        finally:
+            loaded = all(_loaded(m) for m in pull_metas.values())
+            self._staging_close(offer, loaded)
+
+    async def _pull_while_alive(self, worker_addr: str, pull_metas: dict) -> None:
+        """Upstream's pull, failed early if its prefill is gone (reliability):
+        upstream would wait ABORT_REQUEST_TIMEOUT + 60 s for an answer."""
+        interval = self.liveness_interval_s
+        upstream_pull = super().receive_kv_from_single_worker(worker_addr, pull_metas)
+        if not interval or not pull_metas:
+            await upstream_pull
+            return
+        first = next(iter(pull_metas.values()))
+        bootstrap, engine_id = first.remote_bootstrap_addr, first.remote_engine_id
+        pull = asyncio.ensure_future(upstream_pull)
+        gone_in_a_row = 0
+        wait_s = interval
+        while True:
+            done, _ = await asyncio.wait({pull}, timeout=wait_s)
+            if done:
+                pull.result()
+                return
+            probed = time.monotonic()
+            # A silent host takes the probe's whole timeout to answer; the
+            # next wait is shortened by it, so a silent prefill is failed as
+            # soon as a refusing one (REFUSALS_TO_FAIL probes, one interval
+            # apart).
+            reason, moved = await reliability.probe_pull(
+                bootstrap, engine_id, worker_addr, min(1.0, interval / 2)
+            )
+            if moved:
+                # Proof at once: the next pull asks the bootstrap server anew.
+                self._remote_agents.pop(engine_id, None)
+                break
+            wait_s = max(0.0, interval - (time.monotonic() - probed))
+            gone_in_a_row = gone_in_a_row + 1 if reason else 0
+            if gone_in_a_row >= reliability.REFUSALS_TO_FAIL:
+                break
+        pull.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pull
+        # Only what is still outstanding: a request an earlier CONTINUE
+        # completed is already loaded and reported finished.
+        self._handle_failed_recv(
+            pull_metas,
+            [r for r, m in pull_metas.items() if not _loaded(m)],
+            f"prefill gone or moved: its bootstrap server {bootstrap} {reason}",
+        )
+
+    def _handle_failed_recv(self, pull_metas: dict, req_ids: Any, reason: str) -> None:
+        # Upstream reports every id it is given (mooncake_connector.py
+        # _handle_failed_recv), and its pull hands it the whole pull on an
+        # error or a socket timeout, even after a CONTINUE completed some:
+        # their blocks would be reported invalid and they finished a second
+        # time, which fails or recomputes a correct load, or trips the
+        # scheduler's `assert req_id in self.requests` once it moved on.
+        outstanding = [r for r in req_ids if not _loaded(pull_metas.get(r))]
+        if (offer := staging.OFFER.get()) is not None:
+            offer.clean = False
+        super()._handle_failed_recv(pull_metas, outstanding, reason)
+
+    def process_pulling_result(self, response: Any, pull_metas: dict) -> None:
+        try:
+            self._staging_scatter(response)
+        except ValueError as exc:
+            failed, response.ok_reqs = response.ok_reqs, None
+            self._handle_failed_recv(pull_metas, failed, str(exc))
+        fault = faults.active_fault()
+        if fault == faults.CORRUPT_RECEIVED_KV:
+            self._corrupt(response, pull_metas)
+        # After the fault: the check must see what decode will compute with.
+        self._verify_kv_digests(response, pull_metas)
+        if fault == faults.CORRUPT_CHECKED_KV:
+            self._corrupt(response, pull_metas)
+        super().process_pulling_result(response, pull_metas)
+        for req_id in response.ok_reqs or ():
+            meta = pull_metas.get(req_id)
+            # Upstream reports a request finished when its last worker's part
+            # arrives (pull_tasks_count 0), unless it failed first.
+            if meta is not None and not meta.failed and meta.pull_tasks_count <= 0:
+                setattr(meta, LOADED, True)

@@ -1,0 +1,195 @@
+"""The connector worker's half of KV staging (pd_mooncake.staging): buffers,
+decode's offers and scatter, prefill's gather. Mixed in before upstream's
+worker class; ``connector.py`` calls it in one place per hook."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pd_mooncake import staging, wire
+
+logger = logging.getLogger("vllm.pd_mooncake")
+
+
+@dataclass
+class Staged:
+    """One send as prefill writes it: the record's descriptors, and the
+    prefill span they are read from (released once the write has settled)."""
+
+    src: list[int]
+    dst: list[int]
+    lengths: list[int]
+    offset: int
+    nbytes: int
+    target: staging.Target
+    # Its offset in decode's span.
+    record: int
+
+
+class StagingWorker:
+    staging_bytes = 0
+    _arena: staging.Arena | None = None
+    # The KV caches and the staging buffer, apart: decode copies only from the
+    # buffer into the caches, prefill only the other way.
+    _kv_memory: staging.Memory | None = None
+    _staging_memory: staging.Memory | None = None
+
+    def _install_staging(self, extra: Any) -> None:
+        self.staging_bytes = int(extra.get(staging.KEY, 0)) << 20
+        encoder = wire.install(self)
+        encoder.pull_fields.append(_offer_fields)
+        encoder.answer_fields.append(_answer_fields)
+
+    def _register_staging(self) -> None:
+        """After the KV caches: the staging buffer on their device, registered
+        with Mooncake like them."""
+        if not self.staging_bytes:
+            return
+        caches = list(self.device_kv_caches.values())
+        tensors = [t for c in caches for t in (c if isinstance(c, list) else [c])]
+        device = tensors[0].device
+        buffer = torch.empty(self.staging_bytes, dtype=torch.uint8, device=device)
+        if self.engine.register_memory(buffer.data_ptr(), buffer.numel()) != 0:
+            raise RuntimeError(
+                f"PD Mooncake: registering the {self.staging_bytes >> 20} MiB KV "
+                f"staging buffer failed; set {staging.KEY}: 0 to run without it"
+            )
+        self._arena = staging.Arena(buffer)
+        self._kv_memory = staging.Memory(tensors)
+        self._staging_memory = staging.Memory([buffer])
+        logger.info(
+            "PD Mooncake: KV staging buffer %d MiB on %s",
+            self.staging_bytes >> 20,
+            buffer.device,
+        )
+
+    # decode -------------------------------------------------------------------
+    def _staging_offer(self, pull_metas: dict) -> staging.Offer | None:
+        """A span for this pull's KV, or None (staging off, no room)."""
+        if self._arena is None or not pull_metas:
+            return None
+        counts = []
+        for meta in pull_metas.values():
+            kernel = self._logical_to_kernel_block_ids(meta.local_block_ids)
+            counts.append(max((len(g) for g in kernel), default=0))
+        if not any(counts):
+            return None
+        nbytes = staging.span_bound(counts, self.block_len_per_layer)
+        offset = self._arena.reserve(nbytes)
+        if offset is None:
+            logger.warning(
+                "PD Mooncake: no room in the KV staging buffer for %d bytes "
+                "(%d bytes held back); pulling %s directly",
+                nbytes,
+                self._arena.held(),
+                list(pull_metas),
+            )
+            return None
+        return staging.Offer(offset, nbytes, self._arena.base + offset)
+
+    def _staging_scatter(self, response: Any) -> None:
+        """Before the answered requests are checked and reported received:
+        their KV from the record the answer names into their blocks."""
+        offer = staging.OFFER.get()
+        if offer is None or self._kv_memory is None or self._staging_memory is None:
+            return
+        if getattr(response, "pd_staging_unsettled", False):
+            offer.clean = False
+        record = getattr(response, "pd_staging_record", None)
+        if record is None or not response.ok_reqs:
+            return  # prefill sent these directly
+        buffer = self._staging_memory
+        at = offer.address + record
+        head = buffer.read_words(at, staging.HEAD_WORDS)
+        magic, nonce, count = (int(w) for w in head)
+        if magic != staging.MAGIC or nonce != offer.nonce:
+            raise ValueError("KV staging: no record of this pull where the answer says")
+        table = buffer.read_words(at + 8 * staging.HEAD_WORDS, 2 * count)
+        dsts, lengths = table[:count].tolist(), table[count:].tolist()
+        size = staging.record_bytes(lengths)
+        if record + size > offer.nbytes:
+            raise ValueError(f"KV staging: a {size}-byte record overruns the span")
+        data = at + size - sum(lengths)
+        srcs = [data + o for o in staging.offsets(lengths)]
+        staging.copy(self._kv_memory, dsts, buffer, srcs, lengths)
+
+    def _staging_close(self, offer: staging.Offer | None, loaded: bool) -> None:
+        """The pull is over: its span back, or held back if a write to it may
+        still land."""
+        if offer is None or self._arena is None:
+            return
+        hold = 0.0 if loaded and offer.clean else staging.QUARANTINE_S
+        if hold:
+            logger.warning(
+                "PD Mooncake: KV staging span of %d bytes held back for %.0fs "
+                "(its pull failed or prefill resent: a write may still land)",
+                offer.nbytes,
+                hold,
+            )
+        self._arena.release(offer.offset, offer.nbytes, hold)
+
+    # prefill ------------------------------------------------------------------
+    def _stage_send(
+        self, src: list[int], dst: list[int], lengths: list[int]
+    ) -> Staged | None:
+        """This send as one record into decode's span, or None (direct)."""
+        target = staging.TARGET.get()
+        kv, buffer = self._kv_memory, self._staging_memory
+        if target is None or self._arena is None or kv is None or buffer is None:
+            return None
+        size = staging.record_bytes(lengths)
+        if target.cursor + size > target.nbytes:
+            return None
+        offset = self._arena.reserve(size)
+        if offset is None:
+            return None
+        at = self._arena.base + offset
+        head = staging.header(target.nonce, dst, lengths)
+        try:
+            buffer.write_words(at, head)
+            data = at + head.nbytes
+            staging.copy(
+                buffer, [data + o for o in staging.offsets(lengths)], kv, src, lengths
+            )
+        except ValueError:
+            self._arena.release(offset, size)
+            raise
+        record, target.cursor = target.cursor, target.cursor + staging.aligned(size)
+        c_src, c_dst, c_len = staging.chunks(at, target.address + record, size)
+        return Staged(c_src, c_dst, c_len, offset, size, target, record)
+
+    def _staged_sent(self, staged: Staged | None, ok: bool, resends: int) -> None:
+        if staged is None or self._arena is None:
+            return
+        # A submission given up on may still read this span; reused, its late
+        # write carries other bytes, but into decode's span, which the answer
+        # tells decode to hold back.
+        self._arena.release(staged.offset, staged.nbytes)
+        if ok:
+            staged.target.record = staged.record
+        if resends or not ok:
+            staged.target.unsettled = True
+
+
+def _offer_fields() -> dict[str, Any]:
+    offer = staging.OFFER.get()
+    return {"pd_staging": offer.wire} if offer is not None else {}
+
+
+def _answer_fields(answer: Any) -> dict[str, Any]:
+    """The record this answer's requests are in, and whether a write to the
+    span may still land (prefill)."""
+    target = staging.TARGET.get()
+    if target is None:
+        return {}
+    fields: dict[str, Any] = {}
+    if target.record is not None and answer.ok_reqs:
+        fields["pd_staging_record"] = target.record
+    target.record = None
+    if target.unsettled:
+        fields["pd_staging_unsettled"] = True
+    return fields
