@@ -23,10 +23,13 @@ Per state, "staged" (the environment untouched) and "direct" (restarted with
 3. fragmented: as 1 with new seeds, without the warm-up.
 
 Per request the prefill's descriptors, bytes and transfer seconds (counter
-deltas, bench.kv_transfer) and TTFT; the report gives p50s per state x pass x
-prompt length, the effective rate against the transfer engine's bulk rate
-(one descriptor of the nearest size, bench.transfer_engine) where the run has
-it; bench.targets judges them.
+deltas, bench.kv_transfer), the staged send's phases (prefill's gather and
+write, decode's scatter: bench.kv_phases) and TTFT; the report gives p50s per
+state x pass x prompt length, the effective rate against the transfer
+engine's bulk rate (one descriptor of the nearest size, bench.transfer_engine)
+where the run has it, and beside it against the engine sending 1 MiB
+descriptors through stall_guard (``engine_chunked``: the staged path's way);
+bench.targets judges them.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import kv_transfer, single_requests
+from bench import kv_phases, kv_transfer, single_requests
 from bench import transfer_engine as te
 from bench.levels import fmt, fmt_pct, ratio, table
 from bench.settings import Settings, human_bytes
@@ -151,6 +154,15 @@ class Cell:
     def share(self) -> float | None:
         """Transfer p50 as a share of TTFT p50."""
         return ratio(self.transfer_ms(), self.ttft_ms())
+
+    def staged(self) -> int | None:
+        """Requests sent staged; None if the run recorded no phases."""
+        flags = [kv_phases.staged(r.counters) for r in self.requests]
+        return None if all(f is None for f in flags) else sum(map(bool, flags))
+
+    def phase_ms(self, phase: str) -> float | None:
+        """A phase's p50 over the requests sent staged."""
+        return p50(kv_phases.phase_ms((r.counters for r in self.requests), phase))
 
 
 @dataclass(frozen=True)
@@ -270,6 +282,15 @@ def vs_engine(
     return rate * 1e6 / engine.engine_bps, engine
 
 
+def vs_chunked(cell: Cell | None, comparisons: Sequence[te.Comparison]) -> float | None:
+    """The cell's rate as a share of the engine's with 1 MiB descriptors
+    through stall_guard, at vs_engine's size."""
+    bulk = vs_engine(cell, comparisons)
+    if bulk is None or cell is None or not bulk[1].chunked_bps:
+        return None
+    return bulk[0] * bulk[1].engine_bps / bulk[1].chunked_bps
+
+
 def sizes_for(result: Result | None, sizes: Sequence[int]) -> tuple[int, ...]:
     """Of ``sizes``, the nearest to each prompt length's transfer (for an
     engine measurement that covers the run's cells)."""
@@ -299,6 +320,9 @@ def summary(
             "mb_per_s_p50": cell.mb_per_s(), "ttft_ms_p50": cell.ttft_ms(),
             "share_of_ttft": cell.share(),
             "vs_engine_bulk": engine[0] if engine else None,
+            "vs_engine_chunked": vs_chunked(cell, comparisons),
+            "staged_requests": cell.staged(),
+            **{f"{p}_ms_p50": cell.phase_ms(p) for p in kv_phases.PHASES},
         })  # fmt: skip
     return {"cells": rows, "states": result.states, "bursts": result.bursts,
             "staging_note": result.staging_note()}  # fmt: skip
@@ -318,7 +342,11 @@ def _cells(result: Result) -> list[tuple[str, str, int, Cell]]:
 TITLE = "KV path: staged / direct sends, fresh / fragmented block lists"
 HEAD = ("state", "pass", "prompt", "requests", "descriptors p50", "transfer p50 ms",
         "rate p50 MB/s", "TTFT p50 ms", "transfer / TTFT",
-        "rate / engine bulk (size)")  # fmt: skip
+        "rate / engine bulk (size)",
+        f"rate / engine {human_bytes(te.CHUNK_BYTES)} descriptors")  # fmt: skip
+PHASE_HEAD = ("state", "pass", "prompt", "staged requests",
+              *(f"{p} p50 ms" for p in kv_phases.PHASES), "transfer p50 ms",
+              "TTFT p50 ms")  # fmt: skip
 
 
 def markdown(
@@ -335,6 +363,7 @@ def markdown(
             fmt_pct(cell.share()),
             "n/a" if engine is None
             else f"{fmt_pct(engine[0])} ({human_bytes(engine[1].size)})",
+            fmt_pct(vs_chunked(cell, comparisons)),
         ]  # fmt: skip
 
     rows = _cells(result)
@@ -346,10 +375,12 @@ def markdown(
         "both servers' free block lists (fragmented); p50 over the requests, "
         "from prefill's counters around each. Rate: bytes / transfer seconds; "
         "engine bulk: the transfer engine alone, one descriptor of the "
-        "nearest size (transfer-engine table).",
+        "nearest size; beside it the engine with 1 MiB descriptors through "
+        "stall_guard, as staged sends submit them (transfer-engine table).",
         "",
         *(table(HEAD, map(cells, rows)) if rows else ["No request completed."]),
         "",
+        *(_phase_table(rows) if rows else []),
     ]
     for state in STATES:
         data = result.states.get(state, {})
@@ -371,6 +402,38 @@ def markdown(
     if note := result.staging_note():
         out.append(f"- {note}")
     return out
+
+
+def _phase_table(rows: Sequence[tuple[str, str, int, Cell]]) -> list[str]:
+    """Per cell the staged sends' phases (p50 over the staged requests)
+    beside the transfer and TTFT p50s; "-": no request was staged."""
+
+    def cells(row: tuple[str, str, int, Cell]) -> list[str]:
+        state, name, n, cell = row
+        staged = cell.staged()
+        blank = "n/a" if staged is None else None if staged else "-"
+        phases = [blank or fmt(cell.phase_ms(p), 1) for p in kv_phases.PHASES]
+        return [
+            state,
+            name,
+            str(n),
+            "n/a" if staged is None else str(staged),
+            *phases,
+            fmt(cell.transfer_ms(), 1),
+            fmt(cell.ttft_ms(), 0),
+        ]
+
+    return [
+        "Per phase of a staged send (bench.kv_phases): gather (prefill: blocks "
+        "into its staging buffer), write (prefill: the record to decode's "
+        "staging buffer in 1 MiB descriptors), scatter (decode: the record into "
+        "its blocks); p50 ms over the requests sent staged, '-' where none was "
+        "(direct sends have no phases), n/a where the run recorded none. "
+        "Prefill's transfer spans gather and write; the scatter adds to TTFT.",
+        "",
+        *table(PHASE_HEAD, map(cells, rows)),
+        "",
+    ]
 
 
 def _span(values: Sequence[int]) -> str:

@@ -128,20 +128,25 @@ def engine_table(comparisons: Sequence[te.Comparison]) -> list[str]:
     def gbps(value: float | None) -> str:
         return "n/a" if value is None else f"{value / 1e9:.2f}"
 
+    def pct(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.0%}"
+
     def cells(c: te.Comparison) -> list[str]:
-        tuned_ratio = ratio(c.tuned_bps, c.socket_bps)
         return [
             human_bytes(c.size), gbps(c.engine_bps), gbps(c.kv_blocks_bps),
-            gbps(c.tuned_bps), gbps(c.socket_bps), gbps(c.memcpy_bps),
-            f"{c.vs_socket:.0%}", f"{c.vs_memcpy:.0%}",
-            "n/a" if tuned_ratio is None else f"{tuned_ratio:.0%}",
+            gbps(c.chunked_bps), gbps(c.tuned_bps), gbps(c.socket_bps),
+            gbps(c.memcpy_bps), f"{c.vs_socket:.0%}", f"{c.vs_memcpy:.0%}",
+            pct(ratio(c.chunked_bps, c.socket_bps)),
+            pct(ratio(c.tuned_bps, c.socket_bps)),
         ]  # fmt: skip
 
     tuned = ", ".join(f"{k}={v}" for k, v in te.TUNED_ENV.items())
+    chunk = human_bytes(te.CHUNK_BYTES)
     head = [
         "size", "engine GB/s", "engine, 36 KiB descriptors GB/s",
-        f"engine, {tuned} GB/s", "socket GB/s", "memcpy GB/s", "engine / socket",
-        "engine / memcpy", "tuned engine / socket",
+        f"engine, {chunk} descriptors (stall_guard) GB/s", f"engine, {tuned} GB/s",
+        "socket GB/s", "memcpy GB/s", "engine / socket", "engine / memcpy",
+        f"{chunk} descriptors / socket", "tuned engine / socket",
     ]  # fmt: skip
     return table(head, map(cells, comparisons))
 
@@ -442,9 +447,14 @@ def plot(
         ]
         if kv:
             ax.plot(*zip(*kv, strict=True), "-^", label="Mooncake, 36 KiB descriptors")
-        tuned = [(c.size / MIB, c.tuned_bps / 1e9) for c in comparisons if c.tuned_bps]
-        if tuned:
-            ax.plot(*zip(*tuned, strict=True), "-v", label="Mooncake, 1 MiB TCP slices")
+        for key, style, label in (
+            ("chunked_bps", "-x", "Mooncake, 1 MiB descriptors (stall_guard)"),
+            ("tuned_bps", "-v", "Mooncake, 1 MiB TCP slices"),
+        ):
+            points = [(c.size / MIB, getattr(c, key) / 1e9)
+                      for c in comparisons if getattr(c, key)]  # fmt: skip
+            if points:
+                ax.plot(*zip(*points, strict=True), style, label=label)
         ax.plot(
             sizes,
             [c.socket_bps / 1e9 for c in comparisons],

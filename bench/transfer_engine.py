@@ -4,12 +4,16 @@ gives ``run`` the hosts' addresses and the receiver's network namespace).
 
 Two processes (bench.loopback, the harness of the plugin's transfer tests too):
 this one writes, a spawned receiver owns the destination buffer. For each size
-the same bytes go three ways:
+the same bytes go these ways:
 
 - ``engine``: one ``batch_transfer_sync_write`` descriptor (Mooncake acknowledges
   a TCP write once the receiver has it, so one call is one delivered copy);
 - ``engine_kv_blocks``: the same bytes as descriptors of one KV block each (the
   shape of a real P/D transfer: one descriptor per block run and region);
+- ``engine_chunked``: the same bytes as ``pd_mooncake.staging.CHUNK_BYTES``
+  (1 MiB) descriptors submitted one by one and polled
+  (``pd_mooncake.stall_guard.write``): how the plugin's staged path sends a
+  record; sizes from one chunk up;
 - ``socket``: a plain single-stream loopback TCP copy, sender waiting for a
   one-byte acknowledgement per transfer (the same completion rule);
 - ``memcpy``: a single-threaded copy in memory.
@@ -36,6 +40,8 @@ import numpy as np
 
 from bench import loopback
 from bench.loopback import HOST, digest
+from pd_mooncake import stall_guard
+from pd_mooncake.staging import CHUNK_BYTES, chunks
 
 DEADLINE_S = 120.0
 # Bytes of one tiny-profile MLA block (16 tokens x 576 float32 values).
@@ -44,7 +50,8 @@ KV_BLOCK_BYTES = 36864
 SAMPLE_BYTES = 8 << 20
 # Above this many descriptors the KV-shaped series is skipped (slow on TCP).
 MAX_KV_DESCRIPTORS = 4096
-METHODS = ("engine", "engine_kv_blocks", "socket", "memcpy")
+CHUNKED_METHOD = "engine_chunked"
+METHODS = ("engine", "engine_kv_blocks", CHUNKED_METHOD, "socket", "memcpy")
 # The tuned series: Mooncake's TCP transport with larger slices, measured after
 # the defaults (the setting is read when an engine is created).
 TUNED_METHOD = "engine_tuned"
@@ -190,6 +197,16 @@ def run(
             if code != 0:
                 raise TransferBenchError(f"batch_transfer_sync_write returned {code}")
 
+        orphans = stall_guard.Orphans()
+
+        def chunked_write(src: list[int], dst: list[int], lens: list[int]) -> None:
+            outcome = stall_guard.write(sender.engine, session, src, dst, lens,
+                                        stall_s=stall_guard.DEFAULT_STALL_S,
+                                        may_resend=lambda now: True,
+                                        orphans=orphans)  # fmt: skip
+            if outcome.status != 0:
+                raise TransferBenchError(f"stall_guard.write returned {outcome}")
+
         def socket_write(size: int) -> None:
             sock.sendall(struct.pack("<Q", size))
             sock.sendall(source_view[:size])
@@ -215,6 +232,12 @@ def run(
                         continue
                     sample.descriptors = len(blocks[0])
                     once = partial(engine_write, *blocks)
+                elif method == CHUNKED_METHOD:
+                    if size < CHUNK_BYTES:
+                        continue
+                    pieces = chunks(source_addr, remote_addr, size)
+                    sample.descriptors = len(pieces[0])
+                    once = partial(chunked_write, *pieces)
                 elif method == "socket":
                     once = partial(socket_write, size)
                 else:
@@ -277,6 +300,8 @@ class Comparison:
     memcpy_bps: float
     kv_blocks_bps: float | None
     tuned_bps: float | None = None
+    # 1 MiB descriptors through stall_guard (the staged path's submission).
+    chunked_bps: float | None = None
 
     @property
     def vs_socket(self) -> float:
@@ -289,27 +314,19 @@ class Comparison:
 
 def compare(samples: Sequence[Sample]) -> list[Comparison]:
     """Per size: the engine against both ceilings (medians of the samples)."""
-    by_key = {(s.method, s.size): s for s in samples}
+    by_key = {(s.method, s.size): s.median_bps() for s in samples}
     out = []
     for size in sorted({s.size for s in samples}):
         try:
-            engine = by_key[("engine", size)].median_bps()
-            sock = by_key[("socket", size)].median_bps()
-            memcpy = by_key[("memcpy", size)].median_bps()
+            engine, sock, memcpy = (
+                by_key[(method, size)] for method in ("engine", "socket", "memcpy")
+            )
         except KeyError:
             continue
-        kv = by_key.get(("engine_kv_blocks", size))
-        tuned = by_key.get((TUNED_METHOD, size))
-        out.append(
-            Comparison(
-                size,
-                engine,
-                sock,
-                memcpy,
-                kv.median_bps() if kv else None,
-                tuned.median_bps() if tuned else None,
-            )
-        )
+        out.append(Comparison(size, engine, sock, memcpy,
+                              by_key.get(("engine_kv_blocks", size)),
+                              by_key.get((TUNED_METHOD, size)),
+                              by_key.get((CHUNKED_METHOD, size))))  # fmt: skip
     return out
 
 

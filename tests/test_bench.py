@@ -1,7 +1,7 @@
 """The bench's plumbing: real code on small inputs, each checker with a negative
 control. No assertion here is about speed (timing belongs to `make bench`).
 
-- the Mooncake transfer-engine micro-benchmark, for real, at 64 KiB - 1 MiB;
+- the Mooncake transfer-engine micro-benchmark, for real, at 64 KiB - 3 MiB;
 - the report rebuilt from a small recorded run (bench/fixtures/small-run: real
   `vllm bench serve` JSON from P/D and colocated servers on the CPU twin);
 - the router protocol read through the recording proxy, against the real
@@ -52,10 +52,14 @@ BLOCK = TWIN.bytes_per_block()
 
 # --- transfer engine ----------------------------------------------------------
 def test_transfer_engine_moves_every_size_and_checks_arrival() -> None:
-    sizes = [64 << 10, 256 << 10, 1 << 20]
+    sizes = [64 << 10, 256 << 10, 1 << 20, 3 << 20]
     samples = te.run(sizes, repeats=2, progress=lambda _: None)
     got = {(s.method, s.size) for s in samples}
-    assert got == {(m, size) for m in te.METHODS for size in sizes}
+    # 1 MiB descriptors (the staged path's) from one of them up.
+    assert got == {(m, size) for m in te.METHODS for size in sizes
+                   if m != te.CHUNKED_METHOD or size >= te.CHUNK_BYTES}  # fmt: skip
+    chunked = [s for s in samples if s.method == te.CHUNKED_METHOD]
+    assert [(s.size, s.descriptors) for s in chunked] == [(1 << 20, 1), (3 << 20, 3)]
     assert all(s.verified for s in samples)
     assert all(len(s.throughputs()) == 2 for s in samples)
     kv = [s for s in samples if s.method == "engine_kv_blocks"]
@@ -65,13 +69,19 @@ def test_transfer_engine_moves_every_size_and_checks_arrival() -> None:
     comparisons = te.compare(samples)
     assert [c.size for c in comparisons] == sizes
     assert all(c.vs_socket > 0 and c.vs_memcpy > 0 for c in comparisons)
+    assert [c.chunked_bps is not None for c in comparisons] == [False, False, True,
+                                                                 True]  # fmt: skip
     assert te.from_json(json.loads(json.dumps(te.to_json(samples)))) == samples
 
 
-def test_transfer_engine_check_catches_misplaced_bytes() -> None:
+MISADDRESSED = [("engine", 64 << 10), (te.CHUNKED_METHOD, 2 << 20)]
+
+
+@pytest.mark.parametrize(("method", "size"), MISADDRESSED)
+def test_transfer_engine_check_catches_misplaced_bytes(method: str, size: int) -> None:
     """Negative control: a real transfer landing 4 KiB off is reported."""
     with pytest.raises(te.TransferBenchError, match="bytes differ"):
-        te.run([64 << 10], repeats=1, methods=("engine",), misaddress=4096,
+        te.run([size], repeats=1, methods=(method,), misaddress=4096,
                progress=lambda _: None)  # fmt: skip
 
 
@@ -572,28 +582,40 @@ KV_PATHS = {
     ("direct", "fresh"): {1024: (9, 0.05, 2000.0), 4096: (18, 0.2, 10_000.0)},
     ("direct", "fragmented"): {1024: (576, 0.2, 2200.0), 4096: (2304, 0.8, 11_000.0)},
 }
-# The engine alone with one descriptor: 1 GB/s at 16 and 64 MiB.
+# Staged requests' phases (gather, write, scatter seconds), the same for
+# both passes; direct ones record zeros.
+STAGED_PHASES = {1024: (0.003, 0.021, 0.004), 4096: (0.012, 0.085, 0.015)}
+PHASES = {("staged", name): STAGED_PHASES for name in ("fresh", "fragmented")}
+# The engine alone with one descriptor: 1 GB/s at 16 and 64 MiB; with 1 MiB
+# descriptors through stall_guard twice that.
 ENGINE_GBPS = {16 << 20: 1.0, 64 << 20: 1.0}
 
 
 def engine_json(gbps: dict[int, float]) -> list[dict[str, Any]]:
     """transfer_engine.json as bench.transfer_engine writes it: every method
-    at every size, ``gbps`` for the engine's one descriptor."""
+    at every size, ``gbps`` for the engine's one descriptor, twice that for
+    1 MiB descriptors, 4 GB/s for the rest."""
+    factor = {"engine": 1.0, te.CHUNKED_METHOD: 2.0}
     samples = [
-        te.Sample(method, size, 1, [size / (rate * 1e9 if method == "engine" else 4e9)])
+        te.Sample(method, size, 1, [size / (rate * 1e9 * factor[method]
+                                            if method in factor else 4e9)])
         for size, rate in gbps.items()
         for method in te.METHODS
-    ]
+    ]  # fmt: skip
     return te.to_json(samples)
 
 
 def write_kv_path_run(
-    run_dir: Path, cells: dict[tuple[str, str], Any] = KV_PATHS, requests_n: int = 3
+    run_dir: Path,
+    cells: dict[tuple[str, str], Any] = KV_PATHS,
+    requests_n: int = 3,
+    phases: dict[tuple[str, str], Any] | None = PHASES,
 ) -> None:
     """A KV path run as the bench leaves it: per state and pass, single-request
-    levels (vllm bench serve's keys) with their transfer counters; per state
-    the burst's level and state.json; the engine alone."""
-    from bench import kv_path
+    levels (vllm bench serve's keys) with their transfer counters and staging
+    phases (none at all: ``phases`` None, a run from before they were
+    recorded); per state the burst's level and state.json; the engine alone."""
+    from bench import kv_path, kv_phases
 
     for (state, name), by_len in cells.items():
         where = kv_path.state_dir(run_dir, state)
@@ -606,6 +628,10 @@ def write_kv_path_run(
                           "input_lens": [length], "errors": [""]}  # fmt: skip
                 stem.with_suffix(".json").write_text(json.dumps(result))
                 kv = counters([length], seconds=seconds, descriptors=descriptors)
+                if phases is not None:
+                    took = phases.get((state, name), {}).get(length, (0, 0, 0))
+                    kv |= dict(zip(map(kv_phases.key, kv_phases.PHASES), took,
+                                   strict=True))  # fmt: skip
                 stem.with_suffix(".kv.json").write_text(json.dumps(kv))
         burst = {"target": "pd", "input_len": 1024, "concurrency": 8,
                  "completed": 16, "failed": 0, "input_lens": [103, 1940],
@@ -626,8 +652,9 @@ def test_report_renders_the_kv_path_section(run_dir: Path) -> None:
     assert head in text
     # 64 blocks of 311296 B in 25 ms: 797 MB/s, 79.7% of 1 GB/s at 16 MiB; the
     # TTFTs 2000, 2001, 2002 ms.
+    # Against the engine's 1 MiB descriptors (2 GB/s): half that.
     assert ("| staged | fresh | 1024 | 3 | 19 | 25.0 | 797 | 2,001 | 1.2% | "
-            "79.7% (16 MiB) |") in text  # fmt: skip
+            "79.7% (16 MiB) | 39.8% |") in text  # fmt: skip
     assert (
         "| staged | fragmented | 4096 | 3 | 76 | 100.0 | 797 | 10,001 | 1.0% |" in text
     )
@@ -647,8 +674,84 @@ def test_report_renders_the_kv_path_section(run_dir: Path) -> None:
         ("staged", "fragmented", 1024),
     ]  # fmt: skip
     assert cells[0]["vs_engine_bulk"] == pytest.approx(64 * BLOCK / 0.025 / 1e9)
+    assert cells[0]["vs_engine_chunked"] == pytest.approx(64 * BLOCK / 0.025 / 2e9)
     names = [t["name"] for t in summary["targets"]]
     assert sum("KV staging" in n for n in names) == 3
+
+
+def test_report_breaks_staged_sends_down_by_phase(run_dir: Path) -> None:
+    """Gather, write and scatter p50s beside the transfer and TTFT; direct
+    sends have no phases ("-"); a request sent directly in the staged state
+    (it did not fit) is left out of the p50s and the staged count."""
+    write_kv_path_run(run_dir)
+    kv = run_dir / "kv_path" / "staged" / "fresh" / "pd-in4096-c1-r2.kv.json"
+    data = json.loads(kv.read_text())
+    kv.write_text(json.dumps(data | dict.fromkeys(
+        ("gather_seconds", "write_seconds", "scatter_seconds"), 0.0)))  # fmt: skip
+    summary = report.build(run_dir)
+    text = (run_dir / "report.md").read_text()
+    assert ("| state | pass | prompt | staged requests | gather p50 ms | "
+            "write p50 ms | scatter p50 ms | transfer p50 ms | TTFT p50 ms |"
+            ) in text  # fmt: skip
+    assert "| staged | fresh | 1024 | 3 | 3.0 | 21.0 | 4.0 | 25.0 | 2,001 |" in text
+    assert "| staged | fresh | 4096 | 2 | 12.0 | 85.0 | 15.0 | 100.0 | 10,001 |" in text
+    assert "| direct | fragmented | 4096 | 0 | - | - | - | 800.0 | 11,001 |" in text
+    cells = {(c["state"], c["pass"], c["input_len"]): c
+             for c in summary["kv_path"]["cells"]}  # fmt: skip
+    staged = cells[("staged", "fragmented", 4096)]
+    assert (staged["staged_requests"], staged["write_ms_p50"]) == (3, 85.0)
+    assert staged["gather_ms_p50"] == pytest.approx(12.0)
+    assert staged["scatter_ms_p50"] == pytest.approx(15.0)
+    direct = cells[("direct", "fresh", 1024)]
+    assert direct["staged_requests"] == 0 and direct["scatter_ms_p50"] is None
+
+
+def test_kv_path_phases_of_a_run_without_them_are_not_made_up(run_dir: Path) -> None:
+    """A run from before the phases were recorded: n/a, not "-" or 0."""
+    write_kv_path_run(run_dir, phases=None)
+    summary = report.build(run_dir)
+    text = (run_dir / "report.md").read_text()
+    assert "| staged | fresh | 1024 | n/a | n/a | n/a | n/a | 25.0 | 2,001 |" in text
+    assert all(c["staged_requests"] is None for c in summary["kv_path"]["cells"])
+
+
+def test_engine_table_shows_the_staged_paths_submission(run_dir: Path) -> None:
+    write_kv_path_run(run_dir)
+    report.build(run_dir)
+    text = (run_dir / "report.md").read_text()
+    assert "| engine, 1 MiB descriptors (stall_guard) GB/s |" in text
+    # 1 and 2 GB/s against the 4 GB/s socket.
+    row = "| 16 MiB | 1.00 | 4.00 | 2.00 | n/a | 4.00 | 4.00 | 25% | 25% | 50% |"
+    assert row in text
+
+
+def test_decode_phases_settle_like_prefills_counters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode's scatter over a request: read once its KV is in (tokens
+    loaded) and three scrapes agree; prefill's phases from a delta."""
+    from bench import kv_phases
+    from pdstack import metrics as m
+
+    def snap(scatter: float, loaded: float) -> m.Snapshot:
+        phase = frozenset({("phase", "scatter"), ("engine", "0")})
+        return m.Snapshot({(m.STAGING_SECONDS, phase): scatter,
+                           (m.EXTERNAL_HITS, frozenset()): loaded})  # fmt: skip
+
+    reads = iter([snap(0, 0), snap(0.01, 1023), snap(0.02, 1023), snap(0.02, 1023),
+                  snap(0.02, 1023), snap(0.5, 2000)])  # fmt: skip
+    monkeypatch.setattr(m, "scrape", lambda url, timeout=10.0: next(reads))
+    got = kv_phases.settle_decode("http://d", snap(0, 0), 1, 20.0)
+    assert got == {"scatter_seconds": 0.02, kv_phases.LOADED: 1023,
+                   kv_phases.FAILED: 0}  # fmt: skip
+    both = m.Snapshot({
+        (m.STAGING_SECONDS, frozenset({("phase", "gather")})): 0.003,
+        (m.STAGING_SECONDS, frozenset({("phase", "write")})): 0.021,
+    })  # fmt: skip
+    assert kv_phases.totals(both, kv_phases.PREFILL) == {
+        "gather_seconds": 0.003, "write_seconds": 0.021}  # fmt: skip
+    assert kv_phases.staged({"gather_seconds": 0.0, "scatter_seconds": 0.0}) is False
+    assert kv_phases.staged({"seconds": 0.1}) is None
 
 
 def kv_path_targets(run_dir: Path) -> dict[str, Any]:

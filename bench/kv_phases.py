@@ -1,0 +1,83 @@
+"""The phases of a staged KV send, per request, from both servers' counters.
+
+A staged send (pd_mooncake.staging) has three phases, each summed into
+``pdstack.metrics.STAGING_SECONDS`` (label ``phase``) where it runs:
+
+- ``gather`` (prefill): the request's blocks copied into prefill's registered
+  staging buffer, as one record;
+- ``write`` (prefill): the record written to decode's staging buffer in 1 MiB
+  descriptors, each submitted and polled through pd_mooncake.stall_guard;
+- ``scatter`` (decode): the record checked and copied into decode's blocks.
+
+Prefill's transfer seconds (bench.kv_transfer) span gather and write; the
+scatter follows on decode, inside TTFT but outside the transfer. A request
+sent directly has none of them. Per request the bench keeps each phase's
+delta in its ``.kv.json`` under ``<phase>_seconds``: prefill's with its
+transfer counters (kv_transfer.delta_json), decode's settled the way those
+are (settle_decode), decode being scraped around each request too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from pdstack import metrics as m
+
+PREFILL = ("gather", "write")
+DECODE = ("scatter",)
+PHASES = PREFILL + DECODE
+# Decode's evidence that a request's KV is in: prompt tokens it loaded from
+# prefill, or a failed receive.
+LOADED = "decode_loaded_tokens"
+FAILED = "decode_failed_recvs"
+
+
+def key(phase: str) -> str:
+    """A phase's key in a request's ``.kv.json``."""
+    return f"{phase}_seconds"
+
+
+def totals(delta: m.Snapshot, phases: Sequence[str]) -> dict[str, float]:
+    """Seconds per phase in a delta of two scrapes (0 for a phase not there)."""
+    by_phase = delta.by_label(m.STAGING_SECONDS, "phase")
+    return {key(p): by_phase.get(p, 0.0) for p in phases}
+
+
+def decode_json(delta: m.Snapshot) -> dict[str, float]:
+    return totals(delta, DECODE) | {
+        LOADED: delta.total(m.EXTERNAL_HITS),
+        FAILED: delta.total(m.FAILED_RECVS),
+    }
+
+
+def settle_decode(
+    url: str, before: m.Snapshot, completed: int, deadline_s: float
+) -> dict[str, float]:
+    """Decode's phase seconds over a request, once its counters stop moving
+    (bounded), by kv_transfer.settle_delta's rule: the KV in (tokens loaded
+    or a failed receive) and three scrapes in a row the same, half a second
+    apart."""
+    seen: list[dict[str, float]] = []
+
+    def landed(d: m.Snapshot) -> bool:
+        values = decode_json(d)
+        seen.append(values)
+        if completed == 0:
+            return True
+        ended = values[LOADED] + values[FAILED]
+        return ended >= 1 and len(seen) >= 3 and seen[-3] == seen[-2] == values
+
+    return decode_json(m.settle(url, before, landed, deadline_s, interval_s=0.5))
+
+
+def staged(counters: Mapping[str, float]) -> bool | None:
+    """Whether a request was sent staged: any phase took time; None when its
+    counters have no phases (a run from before they were recorded)."""
+    if not any(key(p) in counters for p in PHASES):
+        return None
+    return any(counters.get(key(p), 0.0) > 0 for p in PHASES)
+
+
+def phase_ms(counters: Iterable[Mapping[str, float]], phase: str) -> list[float]:
+    """A phase's milliseconds per staged request."""
+    return [c.get(key(phase), 0.0) * 1e3 for c in counters if staged(c)]
