@@ -34,6 +34,7 @@ bench.targets judges them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -91,9 +92,11 @@ def plan(
     where: Path,
     tokenizer: str,
     burst: Burst = Burst(),
+    decode: str | None = None,
 ) -> Plan:
     """Fresh pass, burst, fragmented pass: one sweep for one state; the same
-    prompts in either state. Creates the passes' directories."""
+    prompts in either state; ``decode`` scraped around every request too (the
+    scatter phase). Creates the passes' directories."""
 
     def single(name: str, warmup: bool) -> list[Level]:
         (where / name).mkdir(parents=True, exist_ok=True)
@@ -106,6 +109,7 @@ def plan(
                   str(where / f"{BURST}.kv.json"), output_len=burst.output_len,
                   range_ratio=burst.range_ratio, timeout_s=burst.timeout_s)  # fmt: skip
     chosen = [*single("fresh", warmup=True), mixed, *single("fragmented", False)]
+    chosen = [dataclasses.replace(lv, decode_url=decode) for lv in chosen]
     return single_requests.plan(s, tokenizer, chosen)
 
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from bench import kv_phases
 from pdstack import config, kv_layout, tiny_model
 from pdstack import metrics as m
 
@@ -65,7 +66,9 @@ def scrape(url: str) -> m.Snapshot:
 
 
 def delta_json(delta: m.Snapshot) -> dict[str, float]:
-    return {key: delta.total(name) for key, name in COUNTERS.items()}
+    """The counters, and the staged sends' prefill phases (bench.kv_phases)."""
+    counters = {key: delta.total(name) for key, name in COUNTERS.items()}
+    return counters | kv_phases.totals(delta, kv_phases.PREFILL)
 
 
 def settle_delta(

@@ -201,7 +201,8 @@ def kv_path_step(
             urls, timings, notes = stack.restart_pd(own, s.profile, env, progress)
             _write_layout(s, urls, out)
             progress(f"KV path '{state}': {kv_path.describe(s)}")
-            plan = kv_path.plan(s, urls.router, urls.prefill, where, tokenizer)
+            plan = kv_path.plan(s, urls.router, urls.prefill, where, tokenizer,
+                                decode=urls.decode)  # fmt: skip
             sweep_step(plan, where, progress)
             data = kv_path.state_json(env, timings["total"])
             (where / kv_path.STATE_FILE).write_text(json.dumps(data, indent=1))

@@ -50,6 +50,9 @@ class Level:
     # P/D only: the prefill server, whose /metrics counts the transfers.
     prefill_url: str | None = None
     kv_file: str | None = None
+    # Also scraped around the level (with kv_file): the decode server, for
+    # the staged sends' scatter (bench.kv_phases).
+    decode_url: str | None = None
     # This level's own output length (default: the plan's), the random
     # dataset's range ratio (lengths of input and output drawn from
     # [len * (1 - r), len * (1 + r)]; 0: every request the same) and deadline
@@ -145,12 +148,19 @@ def _run_level(
     return "ok"
 
 
-def _kv_delta(level: Level, before: Any, completed: int) -> dict[str, Any]:
-    from bench import kv_transfer
+def _kv_delta(
+    level: Level, before: Any, decode_before: Any, completed: int
+) -> dict[str, Any]:
+    from bench import kv_phases, kv_transfer
 
-    return kv_transfer.settle_delta(
+    delta = kv_transfer.settle_delta(
         level.prefill_url or "", before, completed, SETTLE_S
     )
+    if decode_before is not None:
+        delta |= kv_phases.settle_decode(
+            level.decode_url or "", decode_before, completed, SETTLE_S
+        )
+    return delta
 
 
 def run(plan: Plan) -> int:
@@ -188,6 +198,11 @@ def run(plan: Plan) -> int:
         )
         print(f"\n{head}\n[bench] {command_line(plan, level)}", flush=True)
         before = kv_transfer.scrape(level.prefill_url) if level.prefill_url else None
+        decode_before = (
+            kv_transfer.scrape(level.decode_url)
+            if level.decode_url and level.kv_file
+            else None
+        )
         start = time.monotonic()
         try:
             status = _run_level(parser, plan, level, timeout)
@@ -203,7 +218,7 @@ def run(plan: Plan) -> int:
                 json.loads(Path(level.result_file).read_text())["completed"]
             )
         if level.kv_file and before is not None:
-            delta = _kv_delta(level, before, completed)
+            delta = _kv_delta(level, before, decode_before, completed)
             Path(level.kv_file).write_text(json.dumps(delta, indent=1))
         print(
             f"[bench] level {i}/{len(plan.levels)}: {status} in {took:.0f}s", flush=True

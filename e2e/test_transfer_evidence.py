@@ -34,11 +34,13 @@ def sent(
     length = LENGTHS[request.param](layout.block_size)
     prompt = stack.prompt(length, salt=1000 + length)
     decode0, prefill0 = m.scrape(stack.decode), m.scrape(stack.prefill)
+    staged = decode0.total(m.STAGING_BYTES) > 0
     client.complete(stack.router, prompt, max_tokens=8)
     decode = m.settle(
         stack.decode,
         decode0,
-        lambda d: d.total(m.PROMPT_TOKENS_BY_SOURCE) >= len(prompt),
+        lambda d: d.total(m.PROMPT_TOKENS_BY_SOURCE) >= len(prompt)
+        and (not staged or d.total(m.STAGING_SECONDS) > 0),
     )
     prefill = m.settle(stack.prefill, prefill0, lambda d: d.total(m.TRANSFERS) >= 1)
     return length, decode, prefill
@@ -94,9 +96,14 @@ def test_a_staged_transfer_takes_few_descriptors(
     staged = [m.scrape(u).total(m.STAGING_BYTES) for u in (stack.prefill, stack.decode)]
     if not all(staged):
         pytest.skip(f"KV staging is off on this stack (buffer bytes {staged})")
-    length, _, prefill = sent
+    length, decode, prefill = sent
     tokens = kv_layout.tokens_loaded(length)
     blocks = -(-tokens // layout.block_size)
+    # Prefill gathered and wrote a record, decode copied it into the blocks.
+    sent_phases = prefill.by_label(m.STAGING_SECONDS, "phase")
+    landed_phases = decode.by_label(m.STAGING_SECONDS, "phase")
+    assert sent_phases.get("gather", 0) > 0 and sent_phases.get("write", 0) > 0
+    assert landed_phases.get("scatter", 0) > 0
     regions = sum(r.layers for r in layout.regions)
     record = staging.record_bytes([0] * (blocks * regions)) + prefill.total(m.BYTES)
     most = -(-record // staging.CHUNK_BYTES)

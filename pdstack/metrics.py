@@ -37,6 +37,7 @@ CHECKSUM_MISMATCH = f"{plugin.CHECKSUM_MISMATCH}_total"
 CHECKSUM_MATCH = f"{plugin.CHECKSUM_MATCH}_total"
 CHECKSUM_ENABLED = plugin.CHECKSUM_ENABLED
 STAGING_BYTES = plugin.STAGING_BYTES
+STAGING_SECONDS = f"{plugin.STAGING_SECONDS}_total"
 RUNNING = "vllm:num_requests_running"
 
 Labels = frozenset[tuple[str, str]]

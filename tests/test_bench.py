@@ -825,7 +825,7 @@ def test_kv_path_plan_sends_the_same_distinct_prompts_in_both_states(
     chosen = parsed(BENCH_KV_PATH_REQUESTS="2")
     plans = [
         kv_path.plan(chosen, "http://r", "http://p", kv_path.state_dir(tmp_path, s),
-                     "/tok")
+                     "/tok", decode="http://d")
         for s in kv_path.STATES
     ]  # fmt: skip
     staged, direct = ([(lv.input_len, lv.seed) for lv in p.levels] for p in plans)
@@ -840,6 +840,7 @@ def test_kv_path_plan_sends_the_same_distinct_prompts_in_both_states(
     single = [lv for lv in levels_ if lv is not burst]
     assert all(lv.num_prompts == lv.concurrency == 1 for lv in single)
     assert all(lv.kv_file and lv.prefill_url for lv in levels_)
+    assert all(lv.decode_url == "http://d" for lv in levels_)
     assert levels_[8].result_file.endswith("staged/fragmented/pd-in128-c1-r0.json")
     assert (tmp_path / "kv_path" / "direct" / "fragmented").is_dir()
     # The checksum's requests are other prompts.
@@ -890,3 +891,49 @@ def test_a_stack_restarts_with_its_setting_and_only_then(
     assert seen == [("stop", "router,decode,prefill"), ("start", "0"),
                     ("stop", "router,decode,prefill"), ("start", None)]  # fmt: skip
     assert "PD_MOONCAKE_KV_STAGING_MIB" not in os.environ
+
+
+def test_a_levels_kv_file_has_both_servers_phases(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """bench.vllm_bench scrapes prefill and decode around a level with a KV
+    file and a decode URL: the counters, gather and write from prefill, the
+    scatter from decode, each settled."""
+    from bench import vllm_bench
+    from pdstack import metrics as m
+
+    def staged(**phases: float) -> m.Snapshot:
+        samples = {(m.STAGING_SECONDS, frozenset({("phase", p)})): v
+                   for p, v in phases.items()}  # fmt: skip
+        return m.Snapshot(samples)
+
+    after = {
+        "http://p": m.Snapshot({**staged(gather=0.003, write=0.021).samples,
+                                (m.TRANSFERS, frozenset()): 1.0}),
+        "http://d": m.Snapshot({**staged(scatter=0.004).samples,
+                                (m.EXTERNAL_HITS, frozenset()): 1023.0}),
+    }  # fmt: skip
+    scrapes: list[str] = []
+
+    def scrape(url: str, timeout: float = 10.0) -> m.Snapshot:
+        scrapes.append(url)
+        first = scrapes.count(url) == 1
+        return m.Snapshot({}) if first else after[url]
+
+    result = tmp_path / "pd-in1024-c1-r0.json"
+
+    def run_level(parser: Any, plan: Any, level: Any, timeout_s: float) -> str:
+        result.write_text(json.dumps({"completed": 1}))
+        return "ok"
+
+    monkeypatch.setattr(m, "scrape", scrape)
+    monkeypatch.setattr(vllm_bench, "_parser", lambda: None)
+    monkeypatch.setattr(vllm_bench, "_run_level", run_level)
+    kv = tmp_path / "pd-in1024-c1-r0.kv.json"
+    level = Level("pd", "http://r", 1024, 1, 1, 0, str(result), "http://p",
+                  str(kv), decode_url="http://d")  # fmt: skip
+    assert vllm_bench.run(Plan("m", "t", 2, 60.0, (level,))) == 0
+    got = json.loads(kv.read_text())
+    assert (got["transfers"], got["gather_seconds"], got["write_seconds"]) == (
+        1.0, 0.003, 0.021)  # fmt: skip
+    assert (got["scatter_seconds"], got["decode_loaded_tokens"]) == (0.004, 1023.0)

@@ -54,6 +54,7 @@ def _worker(kv: torch.Tensor, mib: int = 4) -> staging_worker.StagingWorker:
     worker.device_kv_caches = {"layer": kv}
     worker.engine = SimpleNamespace(register_memory=lambda ptr, n: 0)
     worker.block_len_per_layer = [BLOCK]
+    worker.xfer_stats = SimpleNamespace(record_staging=lambda phase, seconds: None)
     worker._logical_to_kernel_block_ids = lambda ids: ids
     worker._register_staging()
     return worker
@@ -79,7 +80,7 @@ def _send_through_staging(scramble: bool) -> tuple[torch.Tensor, torch.Tensor, l
         ctypes.memmove(t, s, n)
     if scramble:  # a byte of the table: a destination outside the caches
         ctypes.memset(staged.dst[0] + 8 * staging.HEAD_WORDS + 3, 0xFF, 1)
-    prefill._staged_sent(staged, ok=True, resends=0)
+    prefill._staged_sent(staged, ok=True, resends=0, seconds=0.0)
     answer = SimpleNamespace(ok_reqs=["r"])
     answer.__dict__.update(staging_worker._answer_fields(answer))
     staging.OFFER.set(offer)

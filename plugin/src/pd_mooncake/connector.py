@@ -271,10 +271,13 @@ class PDMooncakeConnectorWorker(
                 orphans=self.send_orphans,
                 on_resend=on_resend,
             )
-            self._staged_sent(staged, outcome.status == 0, outcome.resends)
+            self._staged_sent(
+                staged, outcome.status == 0, outcome.resends, outcome.seconds
+            )
             if outcome.status == 0:
                 self.xfer_stats.record_transfer(
-                    duration_s=outcome.seconds,
+                    # With the gather into the staging buffer, if any.
+                    duration_s=time.monotonic() - first,
                     total_bytes=sum(lengths),
                     num_descs=len(staged.src) if staged else len(src_ptrs),
                 )

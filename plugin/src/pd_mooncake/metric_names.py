@@ -28,6 +28,9 @@ CHECKSUM_MATCH = "vllm:mooncake_kv_checksum_match"
 CHECKSUM_ENABLED = "vllm:mooncake_kv_checksum_enabled"
 # Bytes of the KV staging buffer (pd_mooncake.staging) as configured; 0: off.
 STAGING_BYTES = "vllm:mooncake_kv_staging_bytes"
+# Seconds spent per phase of staged sends (label phase: gather and write on
+# prefill, scatter on decode).
+STAGING_SECONDS = "vllm:mooncake_kv_staging_seconds"
 
 # (counter, stats key, help): one increment per list item.
 COUNTERS = (

@@ -30,6 +30,8 @@ except ModuleNotFoundError:  # 0.19.x: none; the same interface, ours
     from pd_mooncake.legacy_stats import MooncakeKVConnectorStats
 
 REGION_BYTES = "region_bytes"
+# Stats key: (phase, seconds) of staged sends (pd_mooncake.staging).
+STAGING_SECONDS = "staging_seconds"
 
 RETRIED = dict((name, key) for name, key, _ in COUNTERS)[names.RETRIED_TRANSFERS]
 # Where upstream publishes its own Mooncake metrics (vLLM 0.33,
@@ -125,10 +127,11 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
         super().reset()
         self.data[REGION_BYTES] = []
         self.data[RETRIED] = []
+        self.data[STAGING_SECONDS] = []
 
     def is_empty(self) -> bool:
         return super().is_empty() and not any(
-            self.data.get(k) for k in (RETRIED, *checksum.STATS_KEYS)
+            self.data.get(k) for k in (RETRIED, STAGING_SECONDS, *checksum.STATS_KEYS)
         )
 
     def record_checksum(self, region: str, layout: str, ok: bool) -> None:
@@ -136,6 +139,10 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
         key = checksum.MATCH_KEY if ok else checksum.MISMATCH_KEY
         with self._lock:
             self.data.setdefault(key, []).append((region, layout))
+
+    def record_staging(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.data.setdefault(STAGING_SECONDS, []).append((phase, seconds))
 
     def record_retry(self) -> None:
         """A stalled send's pending descriptors are sent again: retried, not
@@ -211,6 +218,12 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
         self.transfer_time = self.transfer_bytes = None
         if self.upstream is None:
             self._own_histograms(labelnames, per_engine_labelvalues)
+        self.staging_seconds = self._counter_cls(
+            name=names.STAGING_SECONDS,
+            documentation="Seconds per phase of staged KV sends (gather, write, "
+            "scatter).",
+            labelnames=[*labelnames, "phase"],
+        )
         self.region_bytes = self._counter_cls(
             name=names.REGION_BYTES,
             documentation="Bytes moved per registered KV region (layer, layout).",
@@ -310,6 +323,8 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
         labels = self.per_engine_labelvalues[engine_idx]
         for name, layout, length in transfer_stats_data.get(REGION_BYTES, []):
             self.region_bytes.labels(*labels, name, layout).inc(length)
+        for phase, seconds in transfer_stats_data.get(STAGING_SECONDS, []):
+            self.staging_seconds.labels(*labels, phase).inc(seconds)
         for key, counter in self.checksum_counts.items():
             for name, layout in transfer_stats_data.get(key, []):
                 counter.labels(*labels, name, layout).inc()

@@ -5,6 +5,7 @@ worker class; ``connector.py`` calls it in one place per hook."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,9 @@ class StagingWorker:
         caches = list(self.device_kv_caches.values())
         tensors = [t for c in caches for t in (c if isinstance(c, list) else [c])]
         device = tensors[0].device
-        buffer = torch.empty(self.staging_bytes, dtype=torch.uint8, device=device)
+        # Zeroed now: the first transfers through a span would otherwise pay
+        # for the kernel mapping its pages in.
+        buffer = torch.zeros(self.staging_bytes, dtype=torch.uint8, device=device)
         if self.engine.register_memory(buffer.data_ptr(), buffer.numel()) != 0:
             raise RuntimeError(
                 f"PD Mooncake: registering the {self.staging_bytes >> 20} MiB KV "
@@ -103,6 +106,7 @@ class StagingWorker:
         if record is None or not response.ok_reqs:
             return  # prefill sent these directly
         buffer = self._staging_memory
+        start = time.monotonic()
         at = offer.address + record
         head = buffer.read_words(at, staging.HEAD_WORDS)
         magic, nonce, count = (int(w) for w in head)
@@ -116,6 +120,7 @@ class StagingWorker:
         data = at + size - sum(lengths)
         srcs = [data + o for o in staging.offsets(lengths)]
         staging.copy(self._kv_memory, dsts, buffer, srcs, lengths)
+        self.xfer_stats.record_staging("scatter", time.monotonic() - start)
 
     def _staging_close(self, offer: staging.Offer | None, loaded: bool) -> None:
         """The pull is over: its span back, or held back if a write to it may
@@ -147,6 +152,7 @@ class StagingWorker:
         offset = self._arena.reserve(size)
         if offset is None:
             return None
+        start = time.monotonic()
         at = self._arena.base + offset
         head = staging.header(target.nonce, dst, lengths)
         try:
@@ -158,17 +164,21 @@ class StagingWorker:
         except ValueError:
             self._arena.release(offset, size)
             raise
+        self.xfer_stats.record_staging("gather", time.monotonic() - start)
         record, target.cursor = target.cursor, target.cursor + staging.aligned(size)
         c_src, c_dst, c_len = staging.chunks(at, target.address + record, size)
         return Staged(c_src, c_dst, c_len, offset, size, target, record)
 
-    def _staged_sent(self, staged: Staged | None, ok: bool, resends: int) -> None:
+    def _staged_sent(
+        self, staged: Staged | None, ok: bool, resends: int, seconds: float
+    ) -> None:
         if staged is None or self._arena is None:
             return
         # A submission given up on may still read this span; reused, its late
         # write carries other bytes, but into decode's span, which the answer
         # tells decode to hold back.
         self._arena.release(staged.offset, staged.nbytes)
+        self.xfer_stats.record_staging("write", seconds)
         if ok:
             staged.target.record = staged.record
         if resends or not ok:
