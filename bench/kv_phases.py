@@ -53,21 +53,14 @@ def decode_json(delta: m.Snapshot) -> dict[str, float]:
 def settle_decode(
     url: str, before: m.Snapshot, completed: int, deadline_s: float
 ) -> dict[str, float]:
-    """Decode's phase seconds over a request, once its counters stop moving
-    (bounded), by kv_transfer.settle_delta's rule: the KV in (tokens loaded
-    or a failed receive) and three scrapes in a row the same, half a second
-    apart."""
-    seen: list[dict[str, float]] = []
-
-    def landed(d: m.Snapshot) -> bool:
-        values = decode_json(d)
-        seen.append(values)
-        if completed == 0:
-            return True
-        ended = values[LOADED] + values[FAILED]
-        return ended >= 1 and len(seen) >= 3 and seen[-3] == seen[-2] == values
-
-    return decode_json(m.settle(url, before, landed, deadline_s, interval_s=0.5))
+    """Decode's phase seconds over a request, settled like prefill's
+    counters (kv_transfer.settle_delta): the KV in (tokens loaded or a failed
+    receive) and the counters still."""
+    if completed == 0:
+        return decode_json(m.scrape(url) - before)
+    return m.settle_counts(
+        url, before, decode_json, lambda v: v[LOADED] + v[FAILED], deadline_s
+    )
 
 
 def staged(counters: Mapping[str, float]) -> bool | None:

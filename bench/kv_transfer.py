@@ -74,21 +74,18 @@ def delta_json(delta: m.Snapshot) -> dict[str, float]:
 def settle_delta(
     url: str, before: m.Snapshot, completed: int, deadline_s: float
 ) -> dict[str, float]:
-    """The counters' delta once they stop moving (bounded): requests may
-    share transfers, so the number of transfers to wait for is not known.
-    Counted settled when a transfer (or a failure) is in and the counters
-    read the same on three scrapes in a row, half a second apart."""
-    seen: list[dict[str, float]] = []
-
-    def landed(d: m.Snapshot) -> bool:
-        values = delta_json(d)
-        seen.append(values)
-        if completed == 0:
-            return True
-        ended = values["transfers"] + values["failed_transfers"]
-        return ended >= 1 and len(seen) >= 3 and seen[-3] == seen[-2] == values
-
-    return delta_json(m.settle(url, before, landed, deadline_s, interval_s=0.5))
+    """Prefill's counters over a request once they stop moving (bounded):
+    requests may share transfers, so the number to wait for is not known.
+    Nothing to wait for when no request completed."""
+    if completed == 0:
+        return delta_json(m.scrape(url) - before)
+    return m.settle_counts(
+        url,
+        before,
+        delta_json,
+        lambda v: v["transfers"] + v["failed_transfers"],
+        deadline_s,
+    )
 
 
 @dataclass(frozen=True)

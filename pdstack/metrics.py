@@ -107,3 +107,24 @@ def settle(
         f"{base_url}/metrics",
         interval_s,
     )[1]
+
+
+def settle_counts(
+    base_url: str,
+    before: Snapshot,
+    read: Callable[[Snapshot], dict[str, float]],
+    ended: Callable[[dict[str, float]], float],
+    deadline_s: float,
+) -> dict[str, float]:
+    """``read`` of the delta once it stops moving (bounded): when ``ended``
+    of it is at least 1 (a transfer in, a failure) and three scrapes in a
+    row, half a second apart, read the same. For counters whose final count
+    is not known (requests may share transfers)."""
+    seen: list[dict[str, float]] = []
+
+    def landed(d: Snapshot) -> bool:
+        values = read(d)
+        seen.append(values)
+        return ended(values) >= 1 and len(seen) >= 3 and seen[-3] == seen[-2] == values
+
+    return read(settle(base_url, before, landed, deadline_s, interval_s=0.5))

@@ -124,6 +124,22 @@ def _backport_on(extra: Mapping[str, Any], producer: bool, consumer: bool) -> bo
     ) or not registration.upstream_has_fix(upstream.MooncakeConnectorWorker)
 
 
+# The side channel's messages as pd_mooncake.wire extends them: pulls and
+# answers encoded with the worker's encoder and decoded with its decoders, in
+# the tasks whose context the features read; answers reach
+# process_pulling_result.
+WIRE_NEEDS: tuple[Need, ...] = (
+    Calls(WORKER, "send_kv_to_decode", "self._encoder.encode"),
+    Calls(WORKER, "receive_kv_from_single_worker", "self._encoder.encode"),
+    Calls(
+        WORKER,
+        "receive_kv_from_single_worker",
+        "self._xfer_resp_decoder.decode",
+    ),
+    Calls(WORKER, "_sender_worker", "self._xfer_meta_decoder.decode"),
+    Calls(WORKER, "receive_kv_from_single_worker", "self.process_pulling_result"),
+)
+
 FIXES: tuple[Fix, ...] = (
     Fix(
         # Every worker-side fix: upstream must build our worker class.
@@ -277,17 +293,7 @@ FIXES: tuple[Fix, ...] = (
             Calls(WORKER, "send_kv_to_decode", "self._build_transfer_params"),
             # The answer is encoded with the worker's encoder, in the task that
             # built the send (the digests wait in a context variable).
-            Calls(WORKER, "send_kv_to_decode", "self._encoder.encode"),
-            Calls(WORKER, "receive_kv_from_single_worker", "self._encoder.encode"),
-            Calls(
-                WORKER,
-                "receive_kv_from_single_worker",
-                "self._xfer_resp_decoder.decode",
-            ),
-            Calls(WORKER, "_sender_worker", "self._xfer_meta_decoder.decode"),
-            Calls(
-                WORKER, "receive_kv_from_single_worker", "self.process_pulling_result"
-            ),
+            *WIRE_NEEDS,
             Method(WORKER, "process_pulling_result", ("response", "pull_metas")),
             Method(WORKER, "_handle_failed_recv", ("pull_metas", "req_ids", "reason")),
             Method(WORKER, "_logical_to_kernel_block_ids", ("block_ids",)),
@@ -350,17 +356,7 @@ FIXES: tuple[Fix, ...] = (
             Method(WORKER, "_logical_to_kernel_block_ids", ("block_ids",)),
             # Sends run in the executor with the pull's context (the target).
             Calls(WORKER, "send_kv_to_decode", "self.sender_loop.run_in_executor"),
-            Calls(WORKER, "send_kv_to_decode", "self._encoder.encode"),
-            Calls(WORKER, "receive_kv_from_single_worker", "self._encoder.encode"),
-            Calls(
-                WORKER,
-                "receive_kv_from_single_worker",
-                "self._xfer_resp_decoder.decode",
-            ),
-            Calls(WORKER, "_sender_worker", "self._xfer_meta_decoder.decode"),
-            Calls(
-                WORKER, "receive_kv_from_single_worker", "self.process_pulling_result"
-            ),
+            *WIRE_NEEDS,
             *(
                 Attr(WORKER, a)
                 for a in (
