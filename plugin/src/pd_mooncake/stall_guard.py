@@ -94,6 +94,7 @@ def write(
     may_resend: Callable[[float], bool],
     orphans: Orphans,
     on_resend: Callable[[int], None] = lambda pending: None,
+    prepare: Callable[[int], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Outcome:
@@ -105,7 +106,9 @@ def write(
     """
     start = clock()
     descriptors = list(zip(src, dst, lengths, strict=True))
-    pending = _submit(engine, session, descriptors, range(len(descriptors)), orphans)
+    pending = _submit(
+        engine, session, descriptors, range(len(descriptors)), orphans, prepare
+    )
     resends, failed, progress, wait_s = 0, False, start, stall_s
     while pending:
         still: dict[int, int] = {}
@@ -131,7 +134,7 @@ def write(
         if failed or not may_resend(now):
             return Outcome(-1, resends, now - start)
         on_resend(len(pending))
-        pending = _submit(engine, session, descriptors, pending, orphans)
+        pending = _submit(engine, session, descriptors, pending, orphans, prepare)
         resends, progress, wait_s = resends + 1, now, 2 * wait_s
     if pending is None:
         failed = True
@@ -144,11 +147,16 @@ def _submit(
     descriptors: Sequence[tuple[int, int, int]],
     indices: Iterable[int],
     orphans: Orphans,
+    prepare: Callable[[int], None] | None = None,
 ) -> dict[int, int] | None:
     """Batch ids by descriptor index; None (the submitted ones orphaned) when
-    Mooncake refuses one, which it does at once for a peer that is gone."""
+    Mooncake refuses one, which it does at once for a peer that is gone.
+    ``prepare(index)`` runs before a descriptor is submitted (its bytes put
+    in place: a staged record's gather)."""
     submitted: dict[int, int] = {}
     for index in indices:
+        if prepare is not None:
+            prepare(index)
         batch_id = engine.transfer_submit_write(session, *descriptors[index])
         if batch_id == NOT_SUBMITTED:
             orphans.adopt(list(submitted.values()))
