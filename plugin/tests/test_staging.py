@@ -75,12 +75,8 @@ def _send_through_staging(scramble: bool) -> tuple[torch.Tensor, torch.Tensor, l
     staging.TARGET.set(staging.Target.from_wire(offer.wire))
     staged = prefill._stage_send(src, dst, [BLOCK] * len(src))
     assert staged is not None and len(staged.src) == 1  # one record, < 1 MiB
-    # The transfer engine's write, as a copy of each chunk once its bytes are
-    # in place (stall_guard.write runs prepare before each submission).
-    for i, (s, t, n) in enumerate(
-        zip(staged.src, staged.dst, staged.lengths, strict=True)
-    ):
-        staged.prepare(i)
+    # The transfer engine's write, as a copy of each chunk.
+    for s, t, n in zip(staged.src, staged.dst, staged.lengths, strict=True):
         ctypes.memmove(t, s, n)
     if scramble:  # a byte of the table: a destination outside the caches
         ctypes.memset(staged.dst[0] + 8 * staging.HEAD_WORDS + 3, 0xFF, 1)
@@ -144,30 +140,3 @@ def test_chunks_cover_the_record_exactly() -> None:
     assert sum(lengths) == n and len(src) == 4
     assert [d - s for s, d in zip(src, dst, strict=True)] == [4000] * 4
     assert src == [1000 + i * staging.CHUNK_BYTES for i in range(4)]
-
-
-def test_a_record_gathered_chunk_by_chunk_in_any_order_is_the_whole_record() -> None:
-    """Gather copies each chunk's share of the descriptors (split at chunk
-    boundaries) when the chunk is first submitted; a resend copies nothing."""
-    rng = random.Random(7)
-    kv_tensor = torch.randint(0, 255, (8 << 20,), dtype=torch.uint8)
-    buffer_tensor = torch.zeros(8 << 20, dtype=torch.uint8)
-    kv, buffer = staging.Memory([kv_tensor]), staging.Memory([buffer_tensor])
-    lengths = [rng.randrange(1, 600_000) for _ in range(12)]
-    srcs = [_base(kv) + rng.randrange(0, (8 << 20) - n) for n in lengths]
-    head = 4096
-    gather = staging.Gather(buffer, _base(buffer), head, kv, srcs, lengths)
-    chunks = -(-(head + sum(lengths)) // staging.CHUNK_BYTES)
-    assert chunks >= 3
-    for chunk in [*rng.sample(range(chunks), chunks), 0, 1]:
-        gather(chunk)
-    got = buffer_tensor[head : head + sum(lengths)]
-    want = torch.cat(
-        [
-            kv_tensor[s - _base(kv) : s - _base(kv) + n]
-            for s, n in zip(srcs, lengths, strict=True)
-        ]
-    )
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="not registered"):
-        staging.Gather(buffer, _base(buffer), head, kv, [srcs[0] + (8 << 20)], [1])

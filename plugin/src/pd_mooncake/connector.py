@@ -270,7 +270,6 @@ class PDMooncakeConnectorWorker(
                 may_resend=may_resend,
                 orphans=self.send_orphans,
                 on_resend=on_resend,
-                prepare=staged.prepare if staged else None,
             )
             self._staged_sent(
                 staged, outcome.status == 0, outcome.resends, outcome.seconds

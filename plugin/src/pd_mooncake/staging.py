@@ -183,23 +183,9 @@ def copy(
     in ``to``; every range is checked before the first copy (decode reads the
     destinations from the network)."""
     for memory, addrs in ((to, dsts), (source, srcs)):
-        check(memory, addrs, lengths)
-    _copy(to, dsts, source, srcs, lengths)
-
-
-def check(memory: Memory, addrs: Sequence[int], lengths: Sequence[int]) -> None:
-    for addr, n in zip(addrs, lengths, strict=True):
-        if not memory.contains(addr, n):
-            raise ValueError(f"{n} bytes at {addr:#x} are not registered memory")
-
-
-def _copy(
-    to: Memory,
-    dsts: Sequence[int],
-    source: Memory,
-    srcs: Sequence[int],
-    lengths: Sequence[int],
-) -> None:
+        for addr, n in zip(addrs, lengths, strict=True):
+            if not memory.contains(addr, n):
+                raise ValueError(f"{n} bytes at {addr:#x} are not registered memory")
     if to.on_cpu and source.on_cpu:
         for d, s, n in zip(dsts, srcs, lengths, strict=True):
             ctypes.memmove(d, s, n)
@@ -273,62 +259,6 @@ def chunks(src: int, dst: int, nbytes: int) -> tuple[list[int], list[int], list[
 def offsets(lengths: Sequence[int]) -> list[int]:
     """Where each descriptor's bytes start in a record's data."""
     return [0, *itertools.accumulate(lengths)][: len(lengths)]
-
-
-def pieces(
-    starts: Sequence[int], lengths: Sequence[int], lo: int, hi: int
-) -> list[tuple[int, int, int]]:
-    """The parts of a record's descriptors inside bytes [lo, hi) of its data:
-    (descriptor, offset in it, bytes)."""
-    out = []
-    i = max(0, bisect.bisect_right(starts, lo) - 1)
-    while i < len(starts) and starts[i] < hi:
-        a, b = max(lo, starts[i]), min(hi, starts[i] + lengths[i])
-        if b > a:
-            out.append((i, a - starts[i], b - a))
-        i += 1
-    return out
-
-
-class Gather:
-    """A record's data copied into the staging buffer chunk by chunk, as
-    each chunk is first submitted (``stall_guard.write``'s ``prepare``): the
-    copy of the next chunk overlaps the transfer of the ones before. Every
-    source range is checked here, before anything is sent."""
-
-    def __init__(
-        self,
-        to: Memory,
-        record: int,
-        head_bytes: int,
-        source: Memory,
-        srcs: Sequence[int],
-        lengths: Sequence[int],
-    ) -> None:
-        check(source, srcs, lengths)
-        check(to, [record], [head_bytes + sum(lengths)])
-        self.to, self.source = to, source
-        self.data, self.head_bytes = record + head_bytes, head_bytes
-        self.srcs, self.lengths = list(srcs), list(lengths)
-        self.starts = offsets(lengths)
-        self.done: set[int] = set()
-        self.seconds = 0.0
-
-    def __call__(self, chunk: int) -> None:
-        if chunk in self.done:  # a resend: the bytes are there
-            return
-        self.done.add(chunk)
-        start = time.monotonic()
-        lo = chunk * CHUNK_BYTES - self.head_bytes
-        parts = pieces(self.starts, self.lengths, max(lo, 0), lo + CHUNK_BYTES)
-        _copy(
-            self.to,
-            [self.data + self.starts[i] + o for i, o, _ in parts],
-            self.source,
-            [self.srcs[i] + o for i, o, _ in parts],
-            [n for _, _, n in parts],
-        )
-        self.seconds += time.monotonic() - start
 
 
 def span_bound(block_counts: Iterable[int], block_bytes: Sequence[int]) -> int:

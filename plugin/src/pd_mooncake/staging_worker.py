@@ -29,8 +29,6 @@ class Staged:
     target: staging.Target
     # Its offset in decode's span.
     record: int
-    # Copies each chunk's bytes in before its first submission.
-    prepare: staging.Gather
 
 
 class StagingWorker:
@@ -154,17 +152,22 @@ class StagingWorker:
         offset = self._arena.reserve(size)
         if offset is None:
             return None
+        start = time.monotonic()
         at = self._arena.base + offset
         head = staging.header(target.nonce, dst, lengths)
         try:
-            gather = staging.Gather(buffer, at, head.nbytes, kv, src, lengths)
             buffer.write_words(at, head)
+            data = at + head.nbytes
+            staging.copy(
+                buffer, [data + o for o in staging.offsets(lengths)], kv, src, lengths
+            )
         except ValueError:
             self._arena.release(offset, size)
             raise
+        self.xfer_stats.record_staging("gather", time.monotonic() - start)
         record, target.cursor = target.cursor, target.cursor + staging.aligned(size)
         c_src, c_dst, c_len = staging.chunks(at, target.address + record, size)
-        return Staged(c_src, c_dst, c_len, offset, size, target, record, gather)
+        return Staged(c_src, c_dst, c_len, offset, size, target, record)
 
     def _staged_sent(
         self, staged: Staged | None, ok: bool, resends: int, seconds: float
@@ -175,8 +178,6 @@ class StagingWorker:
         # write carries other bytes, but into decode's span, which the answer
         # tells decode to hold back.
         self._arena.release(staged.offset, staged.nbytes)
-        # The gather runs inside the write, chunk by chunk.
-        self.xfer_stats.record_staging("gather", staged.prepare.seconds)
         self.xfer_stats.record_staging("write", seconds)
         if ok:
             staged.target.record = staged.record

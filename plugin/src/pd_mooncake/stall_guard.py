@@ -94,7 +94,6 @@ def write(
     may_resend: Callable[[float], bool],
     orphans: Orphans,
     on_resend: Callable[[int], None] = lambda pending: None,
-    prepare: Callable[[int], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Outcome:
@@ -106,9 +105,7 @@ def write(
     """
     start = clock()
     descriptors = list(zip(src, dst, lengths, strict=True))
-    pending = _submit(
-        engine, session, descriptors, range(len(descriptors)), orphans, prepare
-    )
+    pending = _submit(engine, session, descriptors, range(len(descriptors)), orphans)
     resends, failed, progress, wait_s = 0, False, start, stall_s
     while pending:
         still: dict[int, int] = {}
@@ -134,7 +131,7 @@ def write(
         if failed or not may_resend(now):
             return Outcome(-1, resends, now - start)
         on_resend(len(pending))
-        pending = _submit(engine, session, descriptors, pending, orphans, prepare)
+        pending = _submit(engine, session, descriptors, pending, orphans)
         resends, progress, wait_s = resends + 1, now, 2 * wait_s
     if pending is None:
         failed = True
@@ -147,16 +144,11 @@ def _submit(
     descriptors: Sequence[tuple[int, int, int]],
     indices: Iterable[int],
     orphans: Orphans,
-    prepare: Callable[[int], None] | None = None,
 ) -> dict[int, int] | None:
     """Batch ids by descriptor index; None (the submitted ones orphaned) when
-    Mooncake refuses one, which it does at once for a peer that is gone.
-    ``prepare(index)`` runs before a descriptor is submitted (its bytes put
-    in place: a staged record's gather)."""
+    Mooncake refuses one, which it does at once for a peer that is gone."""
     submitted: dict[int, int] = {}
     for index in indices:
-        if prepare is not None:
-            prepare(index)
         batch_id = engine.transfer_submit_write(session, *descriptors[index])
         if batch_id == NOT_SUBMITTED:
             orphans.adopt(list(submitted.values()))
