@@ -39,8 +39,10 @@ def sent(
     decode = m.settle(
         stack.decode,
         decode0,
-        lambda d: d.total(m.PROMPT_TOKENS_BY_SOURCE) >= len(prompt)
-        and (not staged or d.total(m.STAGING_SECONDS) > 0),
+        lambda d: (
+            d.total(m.PROMPT_TOKENS_BY_SOURCE) >= len(prompt)
+            and (not staged or d.total(m.STAGING_SECONDS) > 0)
+        ),
     )
     prefill = m.settle(stack.prefill, prefill0, lambda d: d.total(m.TRANSFERS) >= 1)
     return length, decode, prefill
