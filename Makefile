@@ -72,7 +72,7 @@ up-hosts: install ## The multi-host twin (root): 2 prefills, 2 decodes, the rout
 # The multi-host twin's slower cases (a silent prefill host, one of two
 # prefills or decodes killed) beside the ones `make test` runs.
 .PHONY: test-hosts
-test-hosts: install ## All multi-host twin cases (root), the slower ones included (~6 min)
+test-hosts: install ## All multi-host twin cases (root), the slower ones included (~7 min)
 	PD_HOSTS_SLOW=1 $(PY) -m pytest e2e/test_hosts.py $(PYTEST_ARGS)
 
 .PHONY: down-hosts
