@@ -3,7 +3,7 @@
 Prefill digests, per registered region (each MLA latent layer, the draft's
 GQA layer), exactly the block pages it sends for a request, in the order of
 the request's block list; the digests travel to decode in the pull's answer
-on the ZMQ side channel (``XferResponse.pd_kv_digests``, a field upstream's
+on the ZMQ side channel (``wire.XferResponse.pd_kv_digests``, a field upstream's
 decoder ignores). Decode digests what landed in its own blocks when that
 answer arrives, before the request is reported received; a mismatch goes
 through upstream's failed-receive path (``_handle_failed_recv``: invalid
@@ -70,11 +70,6 @@ STATS_KEYS = (MATCH_KEY, MISMATCH_KEY)
 # the gathered copy and its int64 products stay in cache.
 CHUNK_BYTES = 1 << 20
 _MASK = (1 << 64) - 1
-
-
-# The messages' checksum fields (pd_kv_checksum, pd_kv_digests, pd_kv_regions).
-XferMetadata = wire.XferMetadata
-XferResponse = wire.XferResponse
 
 
 # Prefill: digests of the requests of the send being built (computing while

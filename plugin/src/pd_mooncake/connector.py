@@ -218,6 +218,8 @@ class PDMooncakeConnectorWorker(
             return not timeouts.may_start(now, clock.last_message)
 
         first = time.monotonic()
+        # The descriptors written: upstream's, or a staged record's chunks.
+        write: tuple[list[int], list[int], list[int]] = (src_ptrs, dst_ptrs, lengths)
         staged: Staged | None = None
 
         def may_resend(now: float) -> bool:
@@ -236,7 +238,7 @@ class PDMooncakeConnectorWorker(
                 "none done in %.1fs, %s); sending those again",
                 remote_session,
                 pending,
-                len(staged.src) if staged else len(src_ptrs),
+                len(write[0]),
                 self.stall_s,
                 "a staged record" if staged else "direct",
             )
@@ -258,14 +260,12 @@ class PDMooncakeConnectorWorker(
                 return -1
             # Few large descriptors where decode offered a span (staging).
             staged = self._stage_send(src_ptrs, dst_ptrs, lengths)
+            if staged:
+                write = (staged.src, staged.dst, staged.lengths)
             outcome = stall_guard.write(
                 self.engine,
                 remote_session,
-                *(
-                    (staged.src, staged.dst, staged.lengths)
-                    if staged
-                    else (src_ptrs, dst_ptrs, lengths)
-                ),
+                *write,
                 stall_s=self.stall_s,
                 may_resend=may_resend,
                 orphans=self.send_orphans,
@@ -279,7 +279,7 @@ class PDMooncakeConnectorWorker(
                     # With the gather into the staging buffer, if any.
                     duration_s=time.monotonic() - first,
                     total_bytes=sum(lengths),
-                    num_descs=len(staged.src) if staged else len(src_ptrs),
+                    num_descs=len(write[0]),
                 )
             else:
                 self.xfer_stats.record_failed_transfer()
@@ -289,7 +289,7 @@ class PDMooncakeConnectorWorker(
                     remote_session,
                     outcome.seconds,
                     outcome.resends,
-                    len(src_ptrs),
+                    len(write[0]),
                     sum(lengths),
                 )
             return outcome.status
@@ -307,7 +307,8 @@ class PDMooncakeConnectorWorker(
         clock = send_deadline.PullClock(arrival)
         token = send_deadline.PULL_CLOCK.set(clock)
         # Decode's staging span for this pull, filled by its sends.
-        staging.TARGET.set(staging.Target.from_wire(getattr(meta, "pd_staging", None)))
+        target = staging.Target.from_wire(getattr(meta, "pd_staging", None))
+        target_token = staging.TARGET.set(target)
         try:
             await super().send_kv_to_decode(
                 identity, send_deadline.StampingSocket(sock, clock), meta
@@ -315,7 +316,7 @@ class PDMooncakeConnectorWorker(
         finally:
             send_deadline.PULL_CLOCK.reset(token)
             send_deadline.PULL_ARRIVAL.set(None)
-            staging.TARGET.set(None)
+            staging.TARGET.reset(target_token)
 
     async def record_send_reqs(self, metadata: Any) -> None:
         # Upstream pops "not processed" ids without a default (see reliability).

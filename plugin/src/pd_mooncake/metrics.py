@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from pd_mooncake import checksum, faults
+from pd_mooncake import checksum, faults, staging
 from pd_mooncake import metric_names as names
 from pd_mooncake.metric_names import COUNTERS
 
@@ -261,7 +261,7 @@ class PDMooncakePromMetrics(KVConnectorPromMetrics):
         )
         for labels in per_engine_labelvalues.values():
             enabled.labels(*labels).set(int(bool(extra.get(checksum.KEY))))
-            staging_bytes.labels(*labels).set(int(extra.get("kv_staging_mib", 0)) << 20)
+            staging_bytes.labels(*labels).set(int(extra.get(staging.KEY, 0)) << 20)
 
     def _own_histograms(self, labelnames, per_engine_labelvalues) -> None:
         for attr, name, documentation, buckets in (

@@ -12,11 +12,12 @@ a minute later). A copy in memory runs at 7-18 GB/s. So:
 - prefill, for each send of that pull, copies upstream's source descriptors
   into its own registered staging buffer behind a header listing upstream's
   destination descriptors (a record), and writes the record to the next
-  free place of decode's span in ``CHUNK_BYTES`` descriptors;
-- decode, when prefill's answer names requests done, reads the record at its
-  cursor (nonce, sequence number), checks that every destination lies in its
-  registered KV memory and copies the bytes there, before the KV checksum
-  verifies them and before upstream reports the requests received.
+  free place of decode's span in ``CHUNK_BYTES`` descriptors, and names the
+  record's offset in its answer (``wire.XferResponse.pd_staging_record``);
+- decode, when that answer arrives, checks the record's nonce, that it lies
+  in the span and that every destination lies in its registered KV memory,
+  and copies the bytes there, before the KV checksum verifies them and
+  before upstream reports the requests received.
 
 Whatever does not fit (no offer, no room on prefill, a record larger than
 the span's rest) is sent directly, as upstream does. The blocks and their
@@ -41,7 +42,6 @@ import bisect
 import contextvars
 import ctypes
 import itertools
-import logging
 import secrets
 import threading
 import time
@@ -50,8 +50,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-logger = logging.getLogger("vllm.pd_mooncake")
 
 KEY = "kv_staging_mib"
 # One descriptor of a staged write: large against Mooncake's per-descriptor
@@ -73,9 +71,14 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def head_bytes(count: int) -> int:
+    """A record's header for ``count`` descriptors (the data starts after it)."""
+    return aligned((HEAD_WORDS + 2 * count) * 8)
+
+
 def record_bytes(lengths: Sequence[int]) -> int:
     """Header and data of a record for these descriptors."""
-    return aligned((HEAD_WORDS + 2 * len(lengths)) * 8) + sum(lengths)
+    return head_bytes(len(lengths)) + sum(lengths)
 
 
 class Arena:
@@ -242,7 +245,7 @@ TARGET: contextvars.ContextVar[Target | None] = contextvars.ContextVar(
 
 
 def header(nonce: int, dsts: Sequence[int], lengths: Sequence[int]) -> np.ndarray:
-    words = np.zeros(aligned((HEAD_WORDS + 2 * len(dsts)) * 8) // 8, np.uint64)
+    words = np.zeros(head_bytes(len(dsts)) // 8, np.uint64)
     words[:HEAD_WORDS] = (MAGIC, nonce, len(dsts))
     words[HEAD_WORDS : HEAD_WORDS + len(dsts)] = dsts
     words[HEAD_WORDS + len(dsts) : HEAD_WORDS + 2 * len(dsts)] = lengths
@@ -263,9 +266,10 @@ def offsets(lengths: Sequence[int]) -> list[int]:
 
 def span_bound(block_counts: Iterable[int], block_bytes: Sequence[int]) -> int:
     """Span bytes that hold a pull's records whichever sends carry them: per
-    request its largest group's block count times every region's block
-    bytes, with one descriptor per block and region."""
+    request a record of its largest group's block count times every region's
+    block bytes, with one descriptor per block and region, taking whole
+    pages (the cursor moves by aligned records)."""
     return sum(
-        record_bytes([sum(block_bytes)] * n) + aligned(16 * n * len(block_bytes))
+        aligned(record_bytes([0] * (n * len(block_bytes))) + n * sum(block_bytes))
         for n in block_counts
     )

@@ -50,8 +50,7 @@ class StagingWorker:
         with Mooncake like them."""
         if not self.staging_bytes:
             return
-        caches = list(self.device_kv_caches.values())
-        tensors = [t for c in caches for t in (c if isinstance(c, list) else [c])]
+        tensors = list(self.device_kv_caches.values())
         device = tensors[0].device
         # Zeroed now: the first transfers through a span would otherwise pay
         # for the kernel mapping its pages in.
@@ -117,7 +116,7 @@ class StagingWorker:
         size = staging.record_bytes(lengths)
         if record + size > offer.nbytes:
             raise ValueError(f"KV staging: a {size}-byte record overruns the span")
-        data = at + size - sum(lengths)
+        data = at + staging.head_bytes(count)
         srcs = [data + o for o in staging.offsets(lengths)]
         staging.copy(self._kv_memory, dsts, buffer, srcs, lengths)
         self.xfer_stats.record_staging("scatter", time.monotonic() - start)
