@@ -18,7 +18,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pdstack import compose
+import pytest
+
+from pdstack import compose, config, serve
 from pdstack.compose import PORTS_ENV
 from pdstack.config import read_env_file
 
@@ -70,6 +72,28 @@ def compose_config(
     it); fresh, so tests may mutate it."""
     key = tuple(sorted((env or {}).items()))
     return json.loads(_config_text(tuple(profiles), key, tuple(options)))
+
+
+# Every variable pdstack.serve reads.
+PDSTACK_VARIABLES = {*ports(), "PD_PROFILE", *config.ENV_OVERRIDES}
+
+
+def served(
+    command: list[str],
+    env: Mapping[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> str:
+    """What `pdstack.serve ... --print` says it would exec, under ``env``."""
+    assert command[:3] == ["python3", "-m", "pdstack.serve"], command
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        for name in PDSTACK_VARIABLES:
+            patch.delenv(name, raising=False)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        serve.main([*command[3:], "--print"])
+    return capsys.readouterr().out
 
 
 def environment(service: Mapping[str, Any]) -> dict[str, str]:

@@ -30,10 +30,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pdstack import config, route, serve
+from pdstack import config, route
 from pdstack.compose import PORTS_ENV, ROOT
 from tests import manifests
-from tests.manifests import HEALTH, environment, ports
+from tests.manifests import HEALTH, environment, ports, served
 
 K8S = ROOT / "k8s"
 BASE = K8S / "base"
@@ -47,6 +47,14 @@ DOCS = ROOT / "docs" / "kubernetes.md"
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 
 Object = dict[str, Any]
+# What an overlay renders to (and the schema check covers).
+KINDS = {"ConfigMap", "Service", "StatefulSet", "Deployment", "NetworkPolicy"}
+
+
+# Workload and container names in the manifests. Workloads are named after
+# the roles, so Service DNS names read prefill-0.prefill, decode-0.decode.
+SERVING = config.ROLES
+ROUTER = "router"
 
 
 @dataclass(frozen=True)
@@ -57,14 +65,6 @@ class Twin:
     compose_profiles: tuple[str, ...]
     trio: tuple[str, str, str]  # compose's prefill, decode, router
 
-    @property
-    def servers(self) -> dict[str, str]:  # role -> compose service
-        return dict(zip(config.ROLES, self.trio[:2], strict=True))
-
-    @property
-    def router(self) -> str:
-        return self.trio[2]
-
 
 # Each overlay and its compose counterpart: tiny is the default trio (TCP);
 # kimi-k2.5 is the `rdma` trio with PD_PROFILE=kimi-k2.5.
@@ -73,12 +73,15 @@ OVERLAYS = {
     "kimi-k2.5": Twin("kimi-k2.5", ("rdma",), manifests.RDMA_TRIO),
 }
 each_overlay = pytest.mark.parametrize("overlay", sorted(OVERLAYS))
-# Workload and container names in the manifests. Workloads are named after
-# the roles, so Service DNS names read prefill-0.prefill, decode-0.decode.
-SERVING = config.ROLES
-ROUTER = "router"
-# The port each workload's `http` port must carry (configs/ports.env).
-HTTP_PORT = {"prefill": "PREFILL_PORT", "decode": "DECODE_PORT", ROUTER: "ROUTER_PORT"}
+# Each workload's named ports and the configs/ports.env variable each carries
+# (on the container and on the workload's Service).
+NAMED_PORTS = {
+    ("prefill", "http"): "PREFILL_PORT",
+    ("prefill", "bootstrap"): "BOOTSTRAP_PORT",
+    ("decode", "http"): "DECODE_PORT",
+    (ROUTER, "http"): "ROUTER_PORT",
+    (ROUTER, "metrics"): "ROUTER_METRICS_PORT",
+}
 # The capabilities each workload may add (everything else is dropped).
 ADDED_CAPABILITIES = {"prefill": {"IPC_LOCK"}, "decode": {"IPC_LOCK"}, ROUTER: set()}
 
@@ -106,6 +109,14 @@ def render(overlay: str | Path) -> list[Object]:
     """The objects `kubectl apply -k` would send; fresh, so tests may mutate."""
     path = overlay if isinstance(overlay, Path) else OVERLAY_DIR / overlay
     return [o for o in yaml.safe_load_all(_rendered_text(path)) if o]
+
+
+def configmap(objects: list[Object], key: str) -> Object:
+    """The one ConfigMap holding ``key`` (the generated names carry a hash)."""
+    (found,) = (
+        o for o in objects if o["kind"] == "ConfigMap" and key in (o.get("data") or {})
+    )
+    return found
 
 
 def find(objects: list[Object], kind: str, name: str) -> Object:
@@ -141,6 +152,12 @@ def main_container(workload: Object) -> Object:
 def all_containers(workload: Object) -> Iterator[Object]:
     yield from pod(workload).get("initContainers", [])
     yield from pod(workload)["containers"]
+
+
+def named(items: list[Object], name: str) -> Object:
+    """The one item called ``name`` (a volume, an env entry)."""
+    (item,) = (i for i in items if i["name"] == name)
+    return item
 
 
 def named_port(container: Object, name: str) -> int | None:
@@ -188,13 +205,14 @@ def container_env(objects: list[Object], container: Object) -> dict[str, str]:
 
 
 def compose_services(twin: Twin) -> dict[str, Object]:
+    """Compose's service for each workload (prefill, decode, router)."""
     # .env and configs/ports.env as on a GPU host; the profile from the
     # "shell", which wins over .env.
     model = manifests.compose_config(
         twin.compose_profiles, env={"PD_PROFILE": twin.profile}
     )
-    services: dict[str, Object] = model["services"]
-    return services
+    names = zip((*SERVING, ROUTER), twin.trio, strict=True)
+    return {name: model["services"][service] for name, service in names}
 
 
 def duration_s(text: str) -> float:
@@ -336,11 +354,7 @@ def secret_violations(objects: list[Object]) -> list[str]:
 
 def image_violations(objects: list[Object], twin: Twin) -> list[str]:
     """Every container runs compose's image for the same service."""
-    services = compose_services(twin)
-    expected = {
-        role: services[service]["image"] for role, service in twin.servers.items()
-    }
-    expected[ROUTER] = services[twin.router]["image"]
+    expected = {name: s["image"] for name, s in compose_services(twin).items()}
     problems = []
     for name, workload in workloads(objects).items():
         for container in all_containers(workload):
@@ -438,20 +452,16 @@ def port_violations(objects: list[Object], port_env: Mapping[str, str]) -> list[
     """Every port number is the one configs/ports.env sets."""
     problems = []
     found = workloads(objects)
-    for name, variable in HTTP_PORT.items():
+    for (name, port), variable in NAMED_PORTS.items():
         expected = int(port_env[variable])
-        if named_port(main_container(found[name]), "http") != expected:
-            problems.append(f"{name}: http port is not {variable}={expected}")
-        service = find(objects, "Service", name)
-        for port in service["spec"]["ports"]:
-            if port["name"] == "http" and port["port"] != expected:
-                problems.append(f"Service {name}: http port is not {expected}")
+        if named_port(main_container(found[name]), port) != expected:
+            problems.append(f"{name}: {port} port is not {variable}={expected}")
+        service = find(objects, "Service", name)["spec"]["ports"]
+        if {p["name"]: p["port"] for p in service}.get(port) != expected:
+            problems.append(f"Service {name}: {port} port is not {expected}")
     bootstrap = int(port_env["BOOTSTRAP_PORT"])
-    prefill = found["prefill"]
-    if named_port(main_container(prefill), "bootstrap") != bootstrap:
-        problems.append(f"prefill: bootstrap port is not {bootstrap}")
-    annotations = prefill["spec"]["template"]["metadata"].get("annotations", {})
-    if annotations.get("vllm.ai/bootstrap-port") != str(bootstrap):
+    annotations = found["prefill"]["spec"]["template"]["metadata"].get("annotations")
+    if (annotations or {}).get("vllm.ai/bootstrap-port") != str(bootstrap):
         problems.append("prefill: annotation vllm.ai/bootstrap-port is wrong")
     for name in (*SERVING, ROUTER):
         env = container_env(objects, main_container(found[name]))
@@ -541,9 +551,7 @@ def violations(objects: list[Object], overlay: str) -> list[str]:
 
 
 def test_every_overlay_has_a_compose_twin() -> None:
-    assert sorted(p.name for p in OVERLAY_DIR.iterdir() if p.is_dir()) == sorted(
-        OVERLAYS
-    )
+    assert {p.name for p in OVERLAY_DIR.iterdir() if p.is_dir()} == set(OVERLAYS)
     profiles = {p.stem for p in (config.CONFIGS / "profiles").glob("*.yaml")}
     for name, twin in OVERLAYS.items():
         assert twin.profile in profiles, name
@@ -555,26 +563,17 @@ def test_rendered_objects_pass_strict_schema_validation(
     overlay: str, version: str
 ) -> None:
     objects = render(overlay)
-    assert {o["kind"] for o in objects} == {
-        "ConfigMap",
-        "Service",
-        "StatefulSet",
-        "Deployment",
-        "NetworkPolicy",
-    }
+    assert {o["kind"] for o in objects} == KINDS
     for o in objects:
         kubernetes_validate.validate(o, version, strict=True)
 
 
 def test_strict_validation_rejects_an_unknown_field_and_a_wrong_type() -> None:
-    objects = render("tiny")
-    container = main_container(workloads(objects)["prefill"])
+    prefill, router = (workloads(render("tiny"))[name] for name in ("prefill", ROUTER))
+    container = main_container(prefill)
     container["imagePulPolicy"] = container.pop("imagePullPolicy")
     with pytest.raises(kubernetes_validate.ValidationError, match="imagePulPolicy"):
-        kubernetes_validate.validate(
-            workloads(objects)["prefill"], K8S_VERSIONS[0], True
-        )
-    router = workloads(objects)[ROUTER]
+        kubernetes_validate.validate(prefill, K8S_VERSIONS[0], True)
     router["spec"]["replicas"] = "one"
     with pytest.raises(kubernetes_validate.ValidationError, match="'one'"):
         kubernetes_validate.validate(router, K8S_VERSIONS[-1], True)
@@ -625,16 +624,15 @@ def _break_secrets(objects: list[Object], found: dict[str, Object]) -> list[str]
     main_container(found["prefill"])["env"].append(
         {"name": "HF_TOKEN", "value": "hf_abc"}
     )
-    for item in main_container(found[ROUTER])["env"]:
-        if item["name"] == "ROUTER_API_KEY_FILE":
-            item["value"] = "/tmp/api_key"
-    find(objects, "ConfigMap", ports_configmap(objects))["data"]["API_KEY"] = "k"
+    router_env = main_container(found[ROUTER])["env"]
+    named(router_env, "ROUTER_API_KEY_FILE")["value"] = "/tmp/api_key"
+    pd_ports = configmap(objects, "ROUTER_PORT")
+    pd_ports["data"]["API_KEY"] = "k"
     # A file path into a volume that is not (only) a Secret does not count.
-    for volume in pod(found["decode"])["volumes"]:
-        if volume["name"] == "secrets":
-            volume["projected"]["sources"].append({"configMap": {"name": "x"}})
+    secrets = named(pod(found["decode"])["volumes"], "secrets")["projected"]
+    secrets["sources"].append({"configMap": {"name": "x"}})
     return [
-        f"ConfigMap {ports_configmap(objects)}: secret API_KEY in a ConfigMap",
+        f"ConfigMap {pd_ports['metadata']['name']}: secret API_KEY in a ConfigMap",
         "decode/vllm: HF_TOKEN_PATH is not a file from a secret",
         "decode/vllm: VLLM_API_KEY_FILE is not a file from a secret",
         "prefill/vllm: secret HF_TOKEN as a plain value",
@@ -662,25 +660,12 @@ def test_checker_catches_violations(
 def test_shm_checker_catches_violations() -> None:
     objects = render("tiny")
     found = workloads(objects)
-    for volume in pod(found["prefill"])["volumes"]:
-        if volume["name"] == "dshm":
-            volume["emptyDir"] = {}
-    for volume in pod(found["decode"])["volumes"]:
-        if volume["name"] == "dshm":
-            del volume["emptyDir"]["sizeLimit"]
+    named(pod(found["prefill"])["volumes"], "dshm")["emptyDir"] = {}
+    del named(pod(found["decode"])["volumes"], "dshm")["emptyDir"]["sizeLimit"]
     assert shm_violations(objects) == [
         "prefill: /dev/shm must be an emptyDir, medium Memory",
         "decode: /dev/shm needs a sizeLimit",
     ]
-
-
-def ports_configmap(objects: list[Object]) -> str:
-    (name,) = (
-        o["metadata"]["name"]
-        for o in objects
-        if o["kind"] == "ConfigMap" and "ROUTER_PORT" in (o.get("data") or {})
-    )
-    return name
 
 
 def test_image_checker_catches_violations() -> None:
@@ -718,9 +703,8 @@ def test_service_checker_catches_violations() -> None:
     find(objects, "Service", "prefill")["spec"]["clusterIP"] = "10.0.0.7"
     find(objects, "Service", "decode")["spec"]["publishNotReadyAddresses"] = False
     decode = workloads(objects)["decode"]
-    for item in main_container(workloads(objects)[ROUTER])["env"]:
-        if item["name"] == "PREFILL_URL":
-            item["value"] = "http://prefill:8100"
+    router_env = main_container(workloads(objects)[ROUTER])["env"]
+    named(router_env, "PREFILL_URL")["value"] = "http://prefill:8100"
     assert service_violations(objects) == [
         "prefill: serviceName must be a headless Service",
         "router: PREFILL_URL must name prefill-0.prefill",
@@ -735,12 +719,14 @@ def test_service_checker_catches_violations() -> None:
 
 def test_port_checker_catches_violations() -> None:
     objects = render("tiny")
-    find(objects, "ConfigMap", ports_configmap(objects))["data"]["DECODE_PORT"] = "1"
+    configmap(objects, "ROUTER_PORT")["data"]["DECODE_PORT"] = "1"
     main_container(workloads(objects)["prefill"])["ports"][1]["containerPort"] = 9
+    main_container(workloads(objects)[ROUTER])["ports"][1]["containerPort"] = 9
     find(objects, "Service", ROUTER)["spec"]["ports"][0]["port"] = 80
     assert port_violations(objects, ports()) == [
+        "prefill: bootstrap port is not BOOTSTRAP_PORT=8998",
         "Service router: http port is not 8000",
-        "prefill: bootstrap port is not 8998",
+        "router: metrics port is not ROUTER_METRICS_PORT=29000",
         "prefill: environment disagrees on ['DECODE_PORT']",
         "decode: environment disagrees on ['DECODE_PORT']",
         "router: environment disagrees on ['DECODE_PORT']",
@@ -749,11 +735,9 @@ def test_port_checker_catches_violations() -> None:
 
 def test_gpu_checker_catches_violations() -> None:
     objects = render("kimi-k2.5")
-    limits = main_container(workloads(objects)["decode"])["resources"]["limits"]
-    limits["nvidia.com/gpu"] = 4
-    main_container(workloads(objects)[ROUTER])["resources"]["limits"][
-        "nvidia.com/gpu"
-    ] = 1
+    for name, gpus in (("decode", 4), (ROUTER, 1)):
+        limits = main_container(workloads(objects)[name])["resources"]["limits"]
+        limits["nvidia.com/gpu"] = gpus
     assert sorted(gpu_violations(objects, "kimi-k2.5")) == [
         "decode: 4 GPUs, profile kimi-k2.5 needs 8",
         "router: 1 GPUs, profile kimi-k2.5 needs 0",
@@ -829,28 +813,6 @@ def no_model_generation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pdstack.tiny_model.ensure_models", ensure_models)
 
 
-# Every variable pdstack.serve reads.
-PDSTACK_VARIABLES = {*ports(), "PD_PROFILE", *config.ENV_OVERRIDES}
-
-
-def served(
-    command: list[str],
-    env: Mapping[str, str],
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> str:
-    """What `pdstack.serve ... --print` says it would exec, under ``env``."""
-    assert command[:3] == ["python3", "-m", "pdstack.serve"], command
-    capsys.readouterr()
-    with monkeypatch.context() as patch:
-        for name in PDSTACK_VARIABLES:
-            patch.delenv(name, raising=False)
-        for name, value in env.items():
-            patch.setenv(name, value)
-        serve.main([*command[3:], "--print"])
-    return capsys.readouterr().out
-
-
 # Variables the manifests give the servers beyond compose's, and why.
 K8S_ONLY_SERVING_ENV = {
     # pd-ports carries all of ports.env; compose passes the three servers need.
@@ -892,7 +854,7 @@ def test_servers_run_what_compose_runs(
     no_model_generation: None,
 ) -> None:
     twin = OVERLAYS[overlay]
-    service = compose_services(twin)[twin.servers[role]]
+    service = compose_services(twin)[role]
     objects = render(overlay)
     container = main_container(workloads(objects)[role])
     # `args` only: the image's ENTRYPOINT (tini, serving-entrypoint) runs, as
@@ -926,18 +888,11 @@ def test_server_comparison_catches_drift(
     no_model_generation: None,
 ) -> None:
     twin = OVERLAYS["kimi-k2.5"]
-    service = compose_services(twin)[twin.servers["decode"]]
+    service = compose_services(twin)["decode"]
     objects = render("kimi-k2.5")
-    serving = next(
-        o
-        for o in objects
-        if o["kind"] == "ConfigMap" and "PD_PROFILE" in (o.get("data") or {})
-    )
-    serving["data"]["PD_GPU_MEMORY_UTILIZATION"] = "0.5"
+    configmap(objects, "PD_PROFILE")["data"]["PD_GPU_MEMORY_UTILIZATION"] = "0.5"
     container = main_container(workloads(objects)["decode"])
-    container["env"] = [
-        e for e in container["env"] if e["name"] != "WITH_NVIDIA_PEERMEM"
-    ]
+    container["env"].remove(named(container["env"], "WITH_NVIDIA_PEERMEM"))
     theirs, mine = environment(service), container_env(objects, container)
     assert env_drift(theirs, mine, K8S_ONLY_SERVING_ENV) == [
         "PD_GPU_MEMORY_UTILIZATION: compose '', k8s '0.5'",
@@ -963,7 +918,7 @@ def router_launch(env: Mapping[str, str]) -> list[str]:
 @each_overlay
 def test_router_runs_what_compose_runs(overlay: str) -> None:
     twin = OVERLAYS[overlay]
-    service = compose_services(twin)[twin.router]
+    service = compose_services(twin)[ROUTER]
     objects = render(overlay)
     container = main_container(workloads(objects)[ROUTER])
     # No command or args: the image's CMD (python3 -m pdstack.route), as compose.
@@ -972,12 +927,9 @@ def test_router_runs_what_compose_runs(overlay: str) -> None:
     theirs, mine = environment(service), container_env(objects, container)
     for url in ROUTER_URLS:
         # Hosts differ (compose service names, pod DNS names); the rest not.
-        compose_url, k8s_url = urlsplit(theirs.pop(url)), urlsplit(mine.pop(url))
-        assert (compose_url.scheme, compose_url.port, compose_url.path) == (
-            k8s_url.scheme,
-            k8s_url.port,
-            k8s_url.path,
-        ), url
+        compose_url, k8s_url = (urlsplit(env.pop(url)) for env in (theirs, mine))
+        assert compose_url.scheme == k8s_url.scheme, url
+        assert (compose_url.port, compose_url.path) == (k8s_url.port, k8s_url.path)
     assert env_drift(theirs, mine, K8S_ONLY_ROUTER_ENV) == []
     fill = {url: "http://backend:1" for url in ROUTER_URLS}
     assert router_launch({**mine, **fill}) == router_launch({**theirs, **fill})
@@ -985,23 +937,13 @@ def test_router_runs_what_compose_runs(overlay: str) -> None:
 
 def test_router_comparison_catches_drift() -> None:
     twin = OVERLAYS["tiny"]
-    theirs = environment(compose_services(twin)[twin.router])
+    theirs = environment(compose_services(twin)[ROUTER])
     mine = {**theirs, "ROUTER_METRICS_PORT": "9100", "BOOTSTRAP_PORT": "9000"}
     assert env_drift(theirs, mine, K8S_ONLY_ROUTER_ENV) == [
         "BOOTSTRAP_PORT: compose '8998', k8s '9000'",
         "ROUTER_METRICS_PORT: compose '29000', k8s '9100'",
     ]
     assert router_launch(mine) != router_launch(theirs)
-
-
-@each_overlay
-def test_router_metrics_port_is_the_one_it_serves(overlay: str) -> None:
-    objects = render(overlay)
-    router = main_container(workloads(objects)[ROUTER])
-    port = int(container_env(objects, router)["ROUTER_METRICS_PORT"])
-    assert named_port(router, "metrics") == port
-    service = find(objects, "Service", ROUTER)["spec"]["ports"]
-    assert {p["name"]: p["port"] for p in service}["metrics"] == port
 
 
 def startup_budget_s(container: Object) -> float:
@@ -1011,13 +953,12 @@ def startup_budget_s(container: Object) -> float:
 
 @each_overlay
 def test_start_budgets_cover_compose_and_each_other(overlay: str) -> None:
-    twin = OVERLAYS[overlay]
-    services = compose_services(twin)
+    services = compose_services(OVERLAYS[overlay])
     objects = render(overlay)
     found = workloads(objects)
     budgets = []
-    for role, name in twin.servers.items():
-        start_period = duration_s(services[name]["healthcheck"]["start_period"])
+    for role in SERVING:
+        start_period = duration_s(services[role]["healthcheck"]["start_period"])
         budget = startup_budget_s(main_container(found[role]))
         assert budget >= start_period, role
         budgets.append(budget)
@@ -1028,17 +969,14 @@ def test_start_budgets_cover_compose_and_each_other(overlay: str) -> None:
 
 @each_overlay
 def test_shm_and_grace_period_match_compose(overlay: str) -> None:
-    twin = OVERLAYS[overlay]
-    services = compose_services(twin)
-    for role, name in twin.servers.items():
-        workload = workloads(render(overlay))[role]
-        (shm,) = (v for v in pod(workload)["volumes"] if v["name"] == "dshm")
-        assert quantity_bytes(shm["emptyDir"]["sizeLimit"]) >= int(
-            services[name]["shm_size"]
-        )
-        assert pod(workload)["terminationGracePeriodSeconds"] == duration_s(
-            services[name]["stop_grace_period"]
-        )
+    services = compose_services(OVERLAYS[overlay])
+    found = workloads(render(overlay))
+    for role in SERVING:
+        spec, service = pod(found[role]), services[role]
+        shm = named(spec["volumes"], "dshm")["emptyDir"]["sizeLimit"]
+        assert quantity_bytes(shm) >= int(service["shm_size"])
+        grace = duration_s(service["stop_grace_period"])
+        assert spec["terminationGracePeriodSeconds"] == grace
 
 
 def role_neutral(workload: Object) -> Object:
@@ -1104,25 +1042,24 @@ def test_role_comparison_catches_drift() -> None:
 # --- overlay specifics ---------------------------------------------------------
 
 
-def test_kimi_uses_rdma_and_tiny_uses_tcp() -> None:
-    for overlay, protocol in (("tiny", None), ("kimi-k2.5", "rdma")):
-        objects = render(overlay)
-        for role in SERVING:
-            container = main_container(workloads(objects)[role])
-            env = container_env(objects, container)
-            assert env.get("PD_MOONCAKE_PROTOCOL") == protocol, overlay
-            limits = container["resources"]["limits"]
-            assert ("rdma/hca" in limits) == (protocol == "rdma"), overlay
+@each_overlay
+def test_kimi_uses_rdma_and_tiny_uses_tcp(overlay: str) -> None:
+    protocol = {"tiny": None, "kimi-k2.5": "rdma"}[overlay]
+    objects = render(overlay)
+    for role in SERVING:
+        container = main_container(workloads(objects)[role])
+        env = container_env(objects, container)
+        assert env.get("PD_MOONCAKE_PROTOCOL") == protocol, role
+        limits = container["resources"]["limits"]
+        assert ("rdma/hca" in limits) == (protocol == "rdma"), role
 
 
 def test_kimi_keeps_its_model_cache_on_a_claim_per_pod() -> None:
+    found = workloads(render("kimi-k2.5"))
     for role in SERVING:
-        workload = workloads(render("kimi-k2.5"))[role]
-        claims = [
-            c["metadata"]["name"] for c in workload["spec"]["volumeClaimTemplates"]
-        ]
-        assert claims == ["cache"]
-        assert "cache" not in {v["name"] for v in pod(workload)["volumes"]}
+        claims = found[role]["spec"]["volumeClaimTemplates"]
+        assert [c["metadata"]["name"] for c in claims] == ["cache"]
+        assert "cache" not in {v["name"] for v in pod(found[role])["volumes"]}
 
 
 def test_docs_cover_every_overlay() -> None:
