@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,21 +120,34 @@ def vllm_flags(role: str, profile_name: str, target_name: str) -> dict[str, Any]
     return merged
 
 
+def substituted(flags: Any, substitutions: Mapping[str, str]) -> Any:
+    """``flags`` with ``{name}`` in every string substituted (``{tiny_target}``)."""
+    if isinstance(flags, str):
+        return flags.format_map(substitutions)
+    if isinstance(flags, Mapping):
+        return {k: substituted(v, substitutions) for k, v in flags.items()}
+    if isinstance(flags, list):
+        return [substituted(v, substitutions) for v in flags]
+    return flags
+
+
+def tiny_substitutions(
+    profile_name: str, progress: Callable[[str], None]
+) -> dict[str, str]:
+    """What ``{tiny_target}`` and ``{tiny_draft}`` stand for: the tiny pair,
+    generated first, when the profile asks for it (none otherwise)."""
+    if profile(profile_name).get("generate") != "tiny":
+        return {}
+    from pdstack.tiny_model import ensure_models
+
+    models = ensure_models(progress=progress)
+    return {"tiny_target": str(models.target), "tiny_draft": str(models.draft)}
+
+
 def render(flags: Mapping[str, Any], substitutions: Mapping[str, str]) -> list[str]:
     """Flags as an argv list; ``{name}`` in strings is substituted."""
-
-    def subst(value: Any) -> Any:
-        if isinstance(value, str):
-            return value.format_map(substitutions)
-        if isinstance(value, dict):
-            return {k: subst(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [subst(v) for v in value]
-        return value
-
     argv: list[str] = []
-    for key, value in flags.items():
-        value = subst(value)
+    for key, value in substituted(flags, substitutions).items():
         if value is True:
             argv.append(f"--{key}")
         elif value is False or value is None:

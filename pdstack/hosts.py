@@ -97,10 +97,8 @@ class HostsTwin:
         if reason := netns.missing_privileges():
             raise wait.WaitError(f"the multi-host twin cannot start: {reason}")
         self.procs.stop()  # a previous run's servers, if its state survived
-        from pdstack.tiny_model import ensure_models
-
-        if config.profile(self.profile).get("generate") == "tiny":
-            ensure_models(progress=self.progress)
+        # The tiny pair, generated first if the profile asks for it.
+        config.tiny_substitutions(self.profile, self.progress)
         try:
             self.net.create()
             servers = [n for n in self.names if n != ROUTER]

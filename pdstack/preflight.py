@@ -119,24 +119,12 @@ def models(
     return target, draft or _hub_config(str(spec["model"]), allow_download)
 
 
-def substituted(flags: Any, substitutions: Mapping[str, str]) -> Any:
-    """The flags as pdstack.serve renders them (``{tiny_target}`` and such)."""
-    if isinstance(flags, str):
-        return flags.format_map(substitutions)
-    if isinstance(flags, Mapping):
-        return {k: substituted(v, substitutions) for k, v in flags.items()}
-    if isinstance(flags, list):
-        return [substituted(v, substitutions) for v in flags]
-    return flags
+# The flags as pdstack.serve renders them (one home: pdstack.config).
+substituted = config.substituted
 
 
 def profile_substitutions(profile: str) -> dict[str, str]:
-    if config.profile(profile).get("generate") != "tiny":
-        return {}
-    from pdstack.tiny_model import ensure_models
-
-    pair = ensure_models(progress=lambda line: print(line, file=sys.stderr))
-    return {"tiny_target": str(pair.target), "tiny_draft": str(pair.draft)}
+    return config.tiny_substitutions(profile, lambda line: print(line, file=sys.stderr))
 
 
 # --- one role of one profile on one GPU -----------------------------------------

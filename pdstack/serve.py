@@ -19,16 +19,9 @@ from pdstack import config
 
 def plan(role: str, profile: str, target: str) -> tuple[dict, dict[str, str]]:
     """The role's vLLM flags (site overrides applied) and their substitutions."""
-    chosen = config.profile(profile)
-    substitutions: dict[str, str] = {}
-    if chosen.get("generate") == "tiny":
-        from pdstack.tiny_model import ensure_models
-
-        models = ensure_models(progress=lambda line: print(line, flush=True))
-        substitutions = {
-            "tiny_target": str(models.target),
-            "tiny_draft": str(models.draft),
-        }
+    substitutions = config.tiny_substitutions(
+        profile, progress=lambda line: print(line, flush=True)
+    )
     flags = config.with_env_overrides(config.vllm_flags(role, profile, target))
     return flags, substitutions
 
@@ -58,7 +51,7 @@ def preflight(role: str, profile: str, parser: argparse.ArgumentParser) -> None:
 
     flags, substitutions = plan(role, profile, "gpu")
     try:
-        problems = check.gate(profile, role, check.substituted(flags, substitutions))
+        problems = check.gate(profile, role, config.substituted(flags, substitutions))
     except Exception as exc:
         # A preflight that cannot run (a vLLM it does not know) must not keep
         # a correct stack down: vLLM's own start-up checks still apply.

@@ -87,10 +87,8 @@ def up(
             raise wait.WaitError(
                 f"port of {name} ({url}) is already in use by another server"
             )
-    from pdstack.tiny_model import ensure_models
-
-    if config.profile(profile).get("generate") == "tiny":
-        ensure_models(progress=progress)
+    # The tiny pair, generated first if the profile asks for it.
+    config.tiny_substitutions(profile, progress)
     try:
         deadlines = {
             role: _launch(procs, role, profile, u, (role_env or {}).get(role), None)
