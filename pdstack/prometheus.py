@@ -137,7 +137,7 @@ def running(config: Mapping[str, Any], log: Path | None = None) -> Iterator[Prom
         try:
             server = Prometheus(f"http://127.0.0.1:{port}")
             wait.poll(
-                lambda: (process.poll(), _ready(server.url)),
+                lambda: (process.poll(), wait.healthy(server.url, path="/-/ready")),
                 lambda state: state[1] or state[0] is not None,
                 READY_DEADLINE_S,
                 f"Prometheus ready at {server.url}",
@@ -157,13 +157,6 @@ def running(config: Mapping[str, Any], log: Path | None = None) -> Iterator[Prom
                 process.wait(timeout=STOP_DEADLINE_S)
             if log:
                 out.close()  # type: ignore[union-attr]
-
-
-def _ready(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/-/ready", timeout=2).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def panel_queries(

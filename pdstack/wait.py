@@ -86,9 +86,9 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(kept[-lines:])
 
 
-def healthy(url: str, timeout: float = 2.0) -> bool:
+def healthy(url: str, timeout: float = 2.0, path: str = "/health") -> bool:
     try:
-        return requests.get(f"{url}/health", timeout=timeout).status_code == 200
+        return requests.get(f"{url}{path}", timeout=timeout).status_code == 200
     except requests.RequestException:
         return False
 
