@@ -43,16 +43,7 @@ def complete_all(
     **extra: object,
 ) -> list[Completion]:
     """Every choice of one request (a batch of prompts, n > 1), by index."""
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "return_token_ids": True,
-        # Stop only at max_tokens, so every compared output has the same length.
-        "ignore_eos": True,
-        **extra,
-    }
+    body = greedy(prompt, max_tokens, **extra)
     response = requests.post(f"{base_url}/v1/completions", json=body, timeout=timeout)
     if response.status_code != 200:
         raise CompletionError(
@@ -71,6 +62,22 @@ def complete_all(
         )
         for c in choices
     ]
+
+
+def greedy(
+    prompt: list[int] | str | list[list[int]], max_tokens: int, **extra: object
+) -> dict[str, object]:
+    """The body of a greedy completion with its token ids (``extra`` wins)."""
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        # Stop only at max_tokens, so every compared output has the same length.
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def trace(
