@@ -24,8 +24,9 @@ import requests
 import yaml
 
 from conftest import E2E_RUN_DIR, Stack
-from pdstack import config, wait
+from pdstack import config, hosts, wait
 from pdstack import metrics as m
+from pdstack.client import greedy
 
 FAULTS_CONFIG = config.CONFIGS / "faults.yaml"
 RUN_DIR = E2E_RUN_DIR.parent / "faults"
@@ -155,19 +156,6 @@ def post(
     return Outcome(answer.status_code, answer.text, time.monotonic() - start)
 
 
-def greedy(prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
-    """The body of pdstack.client.complete (greedy, fixed length, token ids)."""
-    return {
-        "model": "pd-model",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "return_token_ids": True,
-        "ignore_eos": True,
-        **extra,
-    }
-
-
 def stream_then_leave(
     url: str, body: Mapping[str, Any], chunks: int, timeout: float = 120.0
 ) -> tuple[int, int, float]:
@@ -199,12 +187,26 @@ def require_owned(stack: FaultStack, why: str) -> None:
         pytest.skip(f"{why}: needs a stack this suite started (the CPU twin)")
 
 
-def references(stack: FaultStack, bodies: list[dict[str, Any]]) -> list[list[int]]:
+def post_all(
+    url: str, bodies: list[dict[str, Any]], timeout: float, workers: int = 0
+) -> list[Outcome]:
+    """``bodies`` posted at once (``workers`` at a time if given), in order."""
+    with ThreadPoolExecutor(max_workers=workers or len(bodies)) as pool:
+        return list(pool.map(lambda b: post(url, b, timeout=timeout), bodies))
+
+
+def wrong_answers(outcomes: list[Outcome], expected: list[list[int]]) -> list[int]:
+    """Which answers came back (200) with other tokens than the reference's."""
+    return [
+        i
+        for i, (o, e) in enumerate(zip(outcomes, expected, strict=True))
+        if o.status == 200 and o.token_ids != e
+    ]
+
+
+def references(stack: Stack, bodies: list[dict[str, Any]]) -> list[list[int]]:
     """Colocated answers (prefill served whole), a few at a time."""
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        answers = list(
-            pool.map(lambda b: post(stack.reference, b, timeout=300), bodies)
-        )
+    answers = post_all(stack.reference, bodies, timeout=300, workers=8)
     bad = [a for a in answers if a.status != 200 or a.token_ids is None]
     assert not bad, f"reference failed: {bad[0] if bad else ''}"
     return [a.token_ids or [] for a in answers]
@@ -219,7 +221,8 @@ def serves_exactly(stack: FaultStack, salt: int) -> None:
     assert got.token_ids == expected
 
 
-def abort_timeout(stack: FaultStack) -> float:
+def abort_timeout(stack: FaultStack | hosts.HostsTwin) -> float:
+    """Prefill's abort timeout: how long it holds KV for a decode that never pulls."""
     return float(stack.role_env["prefill"]["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"])
 
 
@@ -280,6 +283,19 @@ def wait_idle(
 
 def counters(stack: Stack) -> dict[str, m.Snapshot]:
     return {"prefill": m.scrape(stack.prefill), "decode": m.scrape(stack.decode)}
+
+
+def transferred(
+    stack: Stack, before: Mapping[str, m.Snapshot], tokens: int
+) -> tuple[m.Snapshot, m.Snapshot]:
+    """(decode, prefill) deltas since ``before`` once decode has loaded
+    ``tokens`` prompt tokens from prefill and prefill counted a transfer
+    (prefill counts its send after decode has the KV: settle both)."""
+    d = m.settle(
+        stack.decode, before["decode"], lambda d: d.total(m.EXTERNAL_HITS) >= tokens
+    )
+    p = m.settle(stack.prefill, before["prefill"], lambda p: p.total(m.TRANSFERS) >= 1)
+    return d, p
 
 
 def engine_ids(bootstrap_url: str) -> list[str]:

@@ -7,16 +7,17 @@ The suite's stack, bounds and results table: faults_helpers.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from faults_helpers import (
     FaultStack,
     counters,
     greedy,
-    post,
+    post_all,
     record,
     references,
+    transferred,
     wait_idle,
+    wrong_answers,
 )
 from pdstack import metrics as m
 
@@ -36,26 +37,12 @@ def test_load_64_concurrent_mixed_lengths(faults: FaultStack) -> None:
     expected = references(faults, bodies)
     before = counters(faults)
     start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=64) as pool:
-        outcomes = list(
-            pool.map(
-                lambda b: post(faults.router, b, timeout=faults.bounds["request"]),
-                bodies,
-            )
-        )
+    outcomes = post_all(faults.router, bodies, faults.bounds["request"])
     took = time.monotonic() - start
     failures = [o for o in outcomes if o.status != 200]
-    wrong = [
-        i
-        for i, (o, e) in enumerate(zip(outcomes, expected, strict=True))
-        if o.status == 200 and o.token_ids != e
-    ]
+    wrong = wrong_answers(outcomes, expected)
     tokens = sum(len(b["prompt"]) for b in bodies)
-    d = m.settle(
-        faults.decode, before["decode"], lambda d: d.total(m.EXTERNAL_HITS) >= tokens
-    )
-    # Prefill counts its send after decode has the KV: settle both.
-    p = m.settle(faults.prefill, before["prefill"], lambda p: p.total(m.TRANSFERS) >= 1)
+    d, p = transferred(faults, before, tokens)
     _, found = wait_idle(faults, faults.bounds["idle"])
     record(
         "load: 64 concurrent, 8 prompt lengths 5-300",

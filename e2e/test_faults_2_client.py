@@ -32,6 +32,7 @@ from faults_helpers import (
     serves_exactly,
     settings,
     stream_then_leave,
+    transferred,
     wait_idle,
 )
 from pdstack import metrics as m
@@ -235,15 +236,7 @@ def test_negative_control_vllm_router_alone_serves_without_the_key(
         wait.until_healthy("vllm-router --api-key", inner, 60, proc, log, progress)
         before = counters(faults)
         got = post(inner, body, timeout=60)
-        d = m.settle(
-            faults.decode,
-            before["decode"],
-            lambda d: d.total(m.EXTERNAL_HITS) >= len(body["prompt"]),
-        )
-        # Prefill counts its send after decode has the KV: settle both.
-        p = m.settle(
-            faults.prefill, before["prefill"], lambda p: p.total(m.TRANSFERS) >= 1
-        )
+        d, p = transferred(faults, before, len(body["prompt"]))
     print(
         f"vllm-router alone, no key presented: HTTP {got.status}, tokens "
         f"{got.token_ids} (reference {expected}); prefill transfers "

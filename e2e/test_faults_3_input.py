@@ -8,7 +8,6 @@ The suite's stack, bounds and results table: faults_helpers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -20,9 +19,11 @@ from faults_helpers import (
     counters,
     greedy,
     post,
+    post_all,
     record,
     references,
     serves_exactly,
+    transferred,
     wait_idle,
 )
 from pdstack import metrics as m
@@ -221,23 +222,10 @@ def test_client_kv_transfer_params_cannot_steer_the_transfer(
     plain = [greedy(p, 8) for p in prompts]
     expected = references(faults, plain)
     before = counters(faults)
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        got = list(
-            pool.map(
-                lambda b: post(
-                    faults.router,
-                    {**b, "kv_transfer_params": CLIENT_PARAMS},
-                    timeout=faults.bounds["request"],
-                ),
-                plain,
-            )
-        )
+    steered = [{**b, "kv_transfer_params": CLIENT_PARAMS} for b in plain]
+    got = post_all(faults.router, steered, faults.bounds["request"])
     tokens = sum(len(p) for p in prompts)
-    d = m.settle(
-        faults.decode, before["decode"], lambda d: d.total(m.EXTERNAL_HITS) >= tokens
-    )
-    # Prefill counts its send after decode has the KV: settle both.
-    p = m.settle(faults.prefill, before["prefill"], lambda p: p.total(m.TRANSFERS) >= 1)
+    d, p = transferred(faults, before, tokens)
     _, found = wait_idle(faults, faults.bounds["idle"])
     sources = d.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
     record(

@@ -32,6 +32,7 @@ from faults_helpers import (
     references,
     require_owned,
     state,
+    transferred,
     wait_idle,
 )
 from pdstack import metrics as m
@@ -194,13 +195,7 @@ def test_prefill_killed_with_requests_in_flight(faults: FaultStack) -> None:
     (expected,) = references(faults, [body])
     before = counters(faults)
     got, recovered_s, seen = _first_success(faults, body, faults.bounds["recovery"])
-    d = m.settle(
-        faults.decode,
-        before["decode"],
-        lambda d: d.total(m.EXTERNAL_HITS) >= len(body["prompt"]),
-    )
-    # Prefill counts its send after decode has the KV: settle both.
-    p = m.settle(faults.prefill, before["prefill"], lambda p: p.total(m.TRANSFERS) >= 1)
+    d, p = transferred(faults, before, len(body["prompt"]))
     _, found = wait_idle(faults, faults.bounds["idle"])
     record(
         "prefill killed with 12 in flight (+1 while dead)",

@@ -30,11 +30,13 @@ from hosts_helpers import (
 
 from faults_helpers import (
     KV_FETCH,
+    abort_timeout,
     greedy,
     post,
     references,
     settings,
     stack_settings,
+    wrong_answers,
 )
 from pdstack import hosts, wait
 from pdstack import metrics as m
@@ -126,6 +128,22 @@ def serves_exactly_on_every_replica(h: Hosts, salt: int) -> float:
     )
 
 
+def exact_streak(h: Hosts, salt: int) -> tuple[int, float, list[int | None]]:
+    """One request through the router again and again until four answers in
+    a row equal the reference (or the recovery bound): the streak, the
+    seconds that took and every status on the way."""
+    body = greedy(h.reference.prompt(30, salt=salt), 4)
+    (expected,) = references(h.reference, [body])
+    start = time.monotonic()
+    statuses: list[int | None] = []
+    streak = 0
+    while streak < 4 and time.monotonic() - start < h.bounds["recovery"]:
+        got = post(h.twin.router, body, timeout=h.bounds["request"])
+        statuses.append(got.status)
+        streak = streak + 1 if got.status == 200 and got.token_ids == expected else 0
+    return streak, time.monotonic() - start, statuses
+
+
 def test_a_prefill_recreated_at_a_new_address_serves_again(stack_hosts: Hosts) -> None:
     """A rescheduled pod: prefill-0 killed, back on a new IP under the same
     name and engine id. Without restarting decode or the router, requests
@@ -163,11 +181,7 @@ def test_a_partitioned_prefill_host_heals(stack_hosts: Hosts) -> None:
 
     got, _ = in_flight_while(h, bodies, partition)
     statuses = [g.status for g in got]
-    wrong = [
-        i
-        for i, (g, e) in enumerate(zip(got, expected, strict=True))
-        if g.status == 200 and g.token_ids != e
-    ]
+    wrong = wrong_answers(got, expected)
     slowest = max(g.seconds for g in got)
     recovered_s = serves_exactly_on_every_replica(h, salt=6300)
     leaks = wait_idle(h)
@@ -262,26 +276,13 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(
         for g, e in zip(in_flight, expected_each, strict=True)
         if g.status == 200 and g.token_ids == e
     ]
-    wrong = [
-        g
-        for g, e in zip(in_flight, expected_each, strict=True)
-        if g.status == 200 and g.token_ids != e
-    ]
+    wrong = wrong_answers(in_flight, expected_each)
     try:
         dead_status, dead_s = direct_pull_seconds(
             h, decode, "prefill-1", bootstrap, 6511
         )
         # The router's health checks (faults.yaml: every 2 s) drop prefill-1.
-        start = time.monotonic()
-        body = greedy(h.reference.prompt(30, salt=6512), 4)
-        (expected,) = references(h.reference, [body])
-        streak = 0
-        while streak < 4 and time.monotonic() - start < h.bounds["recovery"]:
-            got = post(h.twin.router, body, timeout=h.bounds["request"])
-            streak = (
-                streak + 1 if got.status == 200 and got.token_ids == expected else 0
-            )
-        only_one_s = time.monotonic() - start
+        streak, only_one_s, _ = exact_streak(h, salt=6512)
     finally:
         h.twin.start("prefill-1", again=True)
     serves_exactly_on_every_replica(h, salt=6520)
@@ -313,26 +314,14 @@ def test_one_of_two_decodes_killed(stack_hosts: Hosts) -> None:
     serves again without restarting anything else."""
     h = stack_hosts
     h.twin.kill("decode-1")
-    body = greedy(h.reference.prompt(30, salt=6600), 4)
-    (expected,) = references(h.reference, [body])
-    start = time.monotonic()
-    statuses: list[int | None] = []
     try:
-        streak = 0
-        while streak < 4 and time.monotonic() - start < h.bounds["recovery"]:
-            got = post(h.twin.router, body, timeout=h.bounds["request"])
-            statuses.append(got.status)
-            streak = (
-                streak + 1 if got.status == 200 and got.token_ids == expected else 0
-            )
-        only_one_s = time.monotonic() - start
+        streak, only_one_s, statuses = exact_streak(h, salt=6600)
     finally:
         h.twin.start("decode-1", again=True)
     recovered_s = serves_exactly_on_every_replica(h, salt=6610)
     # A prefill leg whose decode leg met the dead decode holds its KV until
     # prefill's abort timeout, as on one host (the fault suite's decode kill).
-    abort_s = float(h.twin.role_env["prefill"]["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"])
-    leaks = wait_idle(h, deadline_s=abort_s + h.bounds["idle"])
+    leaks = wait_idle(h, deadline_s=abort_timeout(h.twin) + h.bounds["idle"])
     print(
         f"decode-1 killed: statuses {statuses}, four exact in a row after "
         f"{only_one_s:.1f}s; restarted, every replica exact {recovered_s:.1f}s later"
