@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import subprocess
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -32,6 +33,8 @@ HEALTH = "/health"
 # default TCP trio and the `rdma` profile's.
 TCP_TRIO = ("prefill", "decode", "router")
 RDMA_TRIO = ("prefill-rdma", "decode-rdma", "router-rdma")
+# Each server role's side of the KV transfer, as vLLM's command line names it.
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 def ports() -> dict[str, str]:
@@ -43,6 +46,12 @@ def tool(name: str) -> Path:
     path = Path(sys.executable).parent / name
     assert path.is_file(), f"{name} missing: pip install -r requirements/test.txt"
     return path
+
+
+def run(*command: str | Path, **options: Any) -> subprocess.CompletedProcess[str]:
+    """A tool's outcome with its output as text; the caller judges the code."""
+    argv = [str(part) for part in command]
+    return subprocess.run(argv, capture_output=True, text=True, check=False, **options)
 
 
 # The one wrapper of the real CLI (the shell's environment left out).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import os
 import re
 import subprocess
 from collections.abc import Mapping
@@ -22,23 +23,12 @@ import pytest
 import yaml
 
 from pd_mooncake import metric_names as names
-from pdstack import config, serve
+from pdstack import config
 from pdstack.compose import COMPOSE, DOTENV, PORTS_ENV, ROOT
 from pdstack.config import read_env_file
-from tests.manifests import (
-    HEALTH,
-    RDMA_TRIO,
-    SECRET_NAME,
-    SECRET_REF_SUFFIXES,
-    TCP_TRIO,
-    compose_cli,
-    compose_config,
-    environment,
-    port_numbers_in,
-    ports,
-    secret_env_violations,
-    tool,
-)
+from tests import manifests
+from tests.manifests import HEALTH, compose_cli, compose_config, environment, ports
+from tests.test_docker import user_violations
 
 DASHBOARDS = ROOT / "docker" / "monitoring" / "grafana" / "dashboards"
 PROVISIONING = ROOT / "docker" / "monitoring" / "grafana" / "provisioning"
@@ -47,7 +37,7 @@ E2E_OVERRIDE = ROOT / "docker" / "compose.e2e.yaml"
 # Run-time state (gitignored): a bind mount from here may not exist yet.
 RUNTIME = ROOT / "run"
 
-TRIOS = (TCP_TRIO, RDMA_TRIO)
+TRIOS = (manifests.TCP_TRIO, manifests.RDMA_TRIO)
 SERVERS = {
     name: role
     for trio in TRIOS
@@ -122,6 +112,14 @@ def _published(entry: Mapping[str, Any]) -> tuple[str, str, str]:
     )
 
 
+def published(model: Mapping[str, Any]) -> dict[str, list[tuple[str, str, str]]]:
+    """Each service's published ports, as `_published` reads them."""
+    return {
+        name: [_published(entry) for entry in service.get("ports") or []]
+        for name, service in model["services"].items()
+    }
+
+
 def port_violations(model: Mapping[str, Any], port_env: Mapping[str, str]) -> list[str]:
     problems = []
     for name, service in model["services"].items():
@@ -140,9 +138,8 @@ def port_violations(model: Mapping[str, Any], port_env: Mapping[str, str]) -> li
                 problems.append(f"{name}: must not publish ports ({entry})")
         if service.get("expose"):
             problems.append(f"{name}: `expose` is not needed on one network")
-        if service.get("network_mode") == "host" and "rdma" not in service.get(
-            "profiles", []
-        ):
+        host_network = service.get("network_mode") == "host"
+        if host_network and "rdma" not in service.get("profiles", []):
             problems.append(f"{name}: host networking outside profile rdma")
     return problems
 
@@ -174,7 +171,7 @@ def secret_violations(model: Mapping[str, Any]) -> list[str]:
         if undefined := {s["source"] for s in mounted} - defined:
             problems.append(f"{name}: undefined secrets {sorted(undefined)}")
         files = {s["target"] for s in mounted}
-        problems += secret_env_violations(name, environment(service), files)
+        problems += manifests.secret_env_violations(name, environment(service), files)
     return problems
 
 
@@ -218,17 +215,8 @@ CHECKERS = (
 
 
 def check_jsonschema(*files: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            str(tool("check-jsonschema")),
-            "--builtin-schema",
-            "vendor.compose-spec",
-            *map(str, files),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    schema = ("--builtin-schema", "vendor.compose-spec")
+    return manifests.run(manifests.tool("check-jsonschema"), *schema, *files)
 
 
 def test_compose_files_match_the_compose_spec() -> None:
@@ -248,9 +236,8 @@ def test_resolved_model_matches_the_compose_spec(
 
 def test_schema_check_rejects_a_broken_file(tmp_path: Path) -> None:
     model = compose_config()
-    model["services"]["prefill"]["helthcheck"] = model["services"]["prefill"].pop(
-        "healthcheck"
-    )
+    prefill = model["services"]["prefill"]
+    prefill["helthcheck"] = prefill.pop("healthcheck")
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(model))
     assert check_jsonschema(path).returncode != 0
@@ -271,25 +258,19 @@ def test_invariants_hold(profiles: tuple[str, ...]) -> None:
     assert problems == []
 
 
-def test_default_run_is_the_tcp_trio() -> None:
-    assert set(compose_config()["services"]) == {"prefill", "decode", "router"}
+def test_default_run_is_the_tcp_trio_publishing_only_the_router_port() -> None:
+    port = ports()["ROUTER_PORT"]
+    assert published(compose_config()) == {
+        "prefill": [],
+        "decode": [],
+        "router": [("", port, port)],
+    }
 
 
 def test_naming_the_rdma_router_runs_exactly_the_rdma_trio() -> None:
     # `docker compose up router-rdma`: its profile is enabled by naming it.
-    result = compose_cli("config", "--format", "json", "router-rdma")
-    assert result.returncode == 0, result.stderr
-    assert set(json.loads(result.stdout)["services"]) == set(RDMA_TRIO)
-
-
-def test_only_the_router_port_is_published_by_default() -> None:
-    published = {
-        name: [_published(p) for p in service["ports"]]
-        for name, service in compose_config()["services"].items()
-        if service.get("ports")
-    }
-    port = ports()["ROUTER_PORT"]
-    assert published == {"router": [("", port, port)]}
+    model = compose_config(options=["router-rdma"])
+    assert set(model["services"]) == set(manifests.RDMA_TRIO)
 
 
 def test_e2e_override_publishes_only_prefill_and_decode_http_on_loopback() -> None:
@@ -300,11 +281,7 @@ def test_e2e_override_publishes_only_prefill_and_decode_http_on_loopback() -> No
     assert result.returncode == 0, result.stderr
     model = json.loads(result.stdout)
     port = ports()
-    published = {
-        name: [_published(p) for p in service.get("ports", [])]
-        for name, service in model["services"].items()
-    }
-    assert published == {
+    assert published(model) == {
         "prefill": [("127.0.0.1", port["PREFILL_PORT"], port["PREFILL_PORT"])],
         "decode": [("127.0.0.1", port["DECODE_PORT"], port["DECODE_PORT"])],
         "router": [("", port["ROUTER_PORT"], port["ROUTER_PORT"])],
@@ -329,12 +306,8 @@ def test_e2e_override_publishes_only_prefill_and_decode_http_on_loopback() -> No
 
 def test_healthcheck_checker_catches_violations() -> None:
     model = compose_config()
-    model["services"]["prefill"]["healthcheck"]["test"] = [
-        "CMD",
-        "curl",
-        "-sS",
-        "http://localhost:8100/health",
-    ]
+    without_fail = ["CMD", "curl", "-sS", "http://localhost:8100/health"]
+    model["services"]["prefill"]["healthcheck"]["test"] = without_fail
     model["services"]["decode"]["healthcheck"]["test"][-1] = "http://localhost:1/"
     del model["services"]["decode"]["healthcheck"]["start_period"]
     problems = healthcheck_violations(model)
@@ -345,9 +318,8 @@ def test_healthcheck_checker_catches_violations() -> None:
 
 def test_router_dependency_checker_catches_violations() -> None:
     model = compose_config()
-    model["services"]["router"]["depends_on"]["decode"] = {
-        "condition": "service_started"
-    }
+    depends_on = model["services"]["router"]["depends_on"]
+    depends_on["decode"] = {"condition": "service_started"}
     assert router_dependency_violations(model) == [
         "router must depend on decode: service_healthy"
     ]
@@ -417,14 +389,12 @@ def test_required_settings_fail_fast(tmp_path: Path) -> None:
 
 def test_ports_come_from_ports_env_and_can_be_overridden() -> None:
     # Comments may mention them.
-    assert port_numbers_in(compose_files()) == {}
+    assert manifests.port_numbers_in(compose_files()) == {}
     # configs/ports.env reaches the included file, the shell wins.
-    router = compose_config(env={"ROUTER_PORT": "9000"})["services"]["router"]
-    assert [_published(p) for p in router["ports"]] == [("", "9000", "9000")]
-    assert (
-        router["environment"]["PREFILL_URL"]
-        == f"http://prefill:{ports()['PREFILL_PORT']}"
-    )
+    model = compose_config(env={"ROUTER_PORT": "9000"})
+    assert published(model)["router"] == [("", "9000", "9000")]
+    prefill_url = f"http://prefill:{ports()['PREFILL_PORT']}"
+    assert model["services"]["router"]["environment"]["PREFILL_URL"] == prefill_url
 
 
 # --- .env: every knob documented, no secret values ------------------------------
@@ -434,11 +404,9 @@ def _compose_variables() -> dict[str, str | None]:
     """Variable -> its default in the compose files as the CLI reads them;
     None where compose has none to give (required; build args, which the
     unnormalized model alone keeps, pass through unset)."""
-    result = compose_cli("config", "--variables", "--format", "json")
-    assert result.returncode == 0, result.stderr
     found: dict[str, str | None] = {
         name: None if variable["Required"] else variable["DefaultValue"]
-        for name, variable in json.loads(result.stdout).items()
+        for name, variable in compose_config(options=["--variables"]).items()
     }
     raw = compose_config(PROFILES, options=["--no-normalize"])
     for service in raw["services"].values():
@@ -467,7 +435,8 @@ def test_every_knob_is_documented_in_dotenv() -> None:
 
 def test_dotenv_holds_no_secret_values() -> None:
     for key in read_env_file(DOTENV):
-        assert not SECRET_NAME.search(key) or key.endswith(SECRET_REF_SUFFIXES), key
+        secret = manifests.SECRET_NAME.search(key)
+        assert not secret or key.endswith(manifests.SECRET_REF_SUFFIXES), key
 
 
 # --- the vLLM flags compose gives prefill and decode -----------------------------
@@ -535,21 +504,16 @@ def test_compose_runs_pdstack_serve_for_its_role_on_gpu(
     name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     command = compose_config(PROFILES)["services"][name]["command"]
-    assert command[:3] == ["python3", "-m", "pdstack.serve"]
     role = SERVERS[name]
     opts = dict(zip(command[3::2], command[4::2], strict=True))
     assert opts == {"--role": role, "--target": "gpu"}
     # The real CLI, no stubs; kimi-k2.5 needs no model generation to print.
-    for variable in ("ROUTER_PORT", "PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT"):
-        monkeypatch.delenv(variable, raising=False)
-    serve.main([*command[3:], "--profile", "kimi-k2.5", "--print"])
-    env_line, argv_line = capsys.readouterr().out.splitlines()
+    kimi = [*command, "--profile", "kimi-k2.5"]
+    env_line, argv_line = manifests.served(kimi, {}, monkeypatch, capsys).splitlines()
     argv = argv_line.split()
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert (
-        transfer["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
-    )
+    assert transfer["kv_role"] == manifests.KV_ROLE[role]
     port = ports()["PREFILL_PORT" if role == "prefill" else "DECODE_PORT"]
     assert argv[argv.index("--port") + 1] == port
     assert f"VLLM_MOONCAKE_BOOTSTRAP_PORT={ports()['BOOTSTRAP_PORT']}" in env_line
@@ -636,9 +600,8 @@ def test_dashboard_uses_existing_metrics_and_covers_the_required_ones() -> None:
 
 
 def test_dashboard_check_catches_a_misspelt_metric() -> None:
-    dashboard = {
-        "panels": [{"targets": [{"expr": "rate(vllm:mooncake_byte_total[1m])"}]}]
-    }
+    target = {"expr": "rate(vllm:mooncake_byte_total[1m])"}
+    dashboard = {"panels": [{"targets": [target]}]}
     assert dashboard_metrics(dashboard) - known_metrics() == {"vllm:mooncake_byte"}
 
 
@@ -657,20 +620,12 @@ def test_prometheus_scrapes_the_stack_on_its_ports() -> None:
 
 def test_grafana_provisioning_matches_the_mounts() -> None:
     grafana = compose_config(["monitoring"])["services"]["grafana"]
-    mounts = {
-        "./" + str(Path(v["source"]).relative_to(ROOT)): v["target"]
-        for v in grafana["volumes"]
-        if v["type"] == "bind"
-    }
+    binds = [v for v in grafana["volumes"] if v["type"] == "bind"]
+    mounts = {Path(v["source"]): v["target"] for v in binds}
     (provider_file,) = (PROVISIONING / "dashboards").glob("*.yaml")
     provider = yaml.safe_load(provider_file.read_text())["providers"][0]
-    assert (
-        mounts["./docker/monitoring/grafana/dashboards"] == provider["options"]["path"]
-    )
-    assert (
-        mounts["./docker/monitoring/grafana/provisioning"]
-        == "/etc/grafana/provisioning"
-    )
+    assert mounts[DASHBOARDS] == provider["options"]["path"]
+    assert mounts[PROVISIONING] == "/etc/grafana/provisioning"
     home = environment(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert (DASHBOARDS / Path(home).name).is_file()
 
@@ -682,10 +637,6 @@ def test_compose_keeps_servers_private_non_root_and_secrets_out(
     only the router is published, no service runs as root or privileged, the
     images end non-root, and no secret value reaches the rendered output.
     (Moved from the e2e fault suite: it needs no running stack.)"""
-    import os
-
-    from tests.test_docker import user_violations
-
     secrets = {}
     for name in ("hf_token", "api_key", "grafana_admin_password"):
         secrets[name] = f"{name}-{os.urandom(8).hex()}"
@@ -705,19 +656,14 @@ def test_compose_keeps_servers_private_non_root_and_secrets_out(
                 problems.append(f"{name}: runs as root")
             if service.get("privileged"):
                 problems.append(f"{name}: privileged")
-    default = compose_config((), env)
-    published = {
-        n: s["ports"] for n, s in default["services"].items() if s.get("ports")
-    }
+    default = published(compose_config((), env))
     internal = {ports()[k] for k in ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT")}
-    exposed = {
-        str(p.get("published", "")) for entries in published.values() for p in entries
-    }
+    exposed = {port for entries in default.values() for _, port, _ in entries}
     images = sorted((ROOT / "docker").glob("*.Dockerfile"))
     users = [v for f in images for v in user_violations(f.name, f.read_text())]
     leaked = [name for name, value in secrets.items() if value in rendered]
     assert problems == []
-    assert list(published) == ["router"]
+    assert [name for name, entries in default.items() if entries] == ["router"]
     assert not internal & exposed
     assert users == []
     assert leaked == []

@@ -11,17 +11,16 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
 
 from pdstack import config, route
+from pdstack.compose import ROOT
+from tests import manifests
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 SERVING = DOCKER / "serving.Dockerfile"
 ROUTER = DOCKER / "router.Dockerfile"
@@ -191,11 +190,7 @@ def _texts() -> dict[str, str]:
 
 
 def hadolint(path: Path) -> subprocess.CompletedProcess[str]:
-    tool = shutil.which("hadolint", path=str(Path(sys.executable).parent))
-    assert tool, "hadolint missing: pip install -r requirements/test.txt"
-    return subprocess.run(
-        [tool, "--no-color", str(path)], capture_output=True, text=True, check=False
-    )
+    return manifests.run(manifests.tool("hadolint"), "--no-color", path)
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -307,19 +302,14 @@ def test_route_renders_configs_for_vllm_router() -> None:
 
     ports = config.ports({})
     argv = route.command(URLS)
-    twin = config.router_args(
-        URLS["PREFILL_URL"],
-        ports.bootstrap,
-        URLS["DECODE_URL"],
-        "0.0.0.0",
-        ports.router,
-    )
+    prefill, decode = URLS["PREFILL_URL"], URLS["DECODE_URL"]
+    twin = config.router_args(prefill, ports.bootstrap, decode, "0.0.0.0", ports.router)
     assert argv[: len(twin)] == twin  # the CPU twin's flags, then metrics
     parsed = parse_router_args(argv)
     assert parsed.vllm_pd_disaggregation
     assert parsed.kv_connector == "mooncake"
-    assert parsed.prefill_urls == [(URLS["PREFILL_URL"], ports.bootstrap)]
-    assert parsed.decode_urls == [URLS["DECODE_URL"]]
+    assert parsed.prefill_urls == [(prefill, ports.bootstrap)]
+    assert parsed.decode_urls == [decode]
     assert (parsed.host, parsed.port) == ("0.0.0.0", ports.router)
     assert parsed.prometheus_host == "0.0.0.0"
 
@@ -362,13 +352,8 @@ def test_route_print(
 
 def run_entrypoint(env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
     probe = 'printf %s "${VLLM_API_KEY-unset}"'
-    return subprocess.run(
-        ["sh", str(ENTRYPOINT_SCRIPT), "sh", "-c", probe],
-        env={"PATH": os.environ.get("PATH", ""), **env},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    clean = {"PATH": os.environ.get("PATH", ""), **env}
+    return manifests.run("sh", ENTRYPOINT_SCRIPT, "sh", "-c", probe, env=clean)
 
 
 def test_serving_entrypoint_exports_the_api_key_file(tmp_path: Path) -> None:

@@ -90,12 +90,7 @@ ADDED_CAPABILITIES = {"prefill": {"IPC_LOCK"}, "decode": {"IPC_LOCK"}, ROUTER: s
 
 
 def kustomize(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(manifests.tool("kubectl")), "kustomize", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    return manifests.run(manifests.tool("kubectl"), "kustomize", path)
 
 
 @functools.cache
@@ -414,24 +409,19 @@ def service_violations(objects: list[Object]) -> list[str]:
     problems = []
     found = workloads(objects)
     router_env = container_env(objects, main_container(found[ROUTER]))
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
     for name, workload in servers(objects):
         if workload["kind"] != "StatefulSet":
             problems.append(f"{name}: must be a StatefulSet (stable pod names)")
             continue
         service_name = workload["spec"].get("serviceName", "")
-        services = [
-            o
-            for o in objects
-            if o["kind"] == "Service" and o["metadata"]["name"] == service_name
-        ]
-        if not services or services[0]["spec"].get("clusterIP") != "None":
+        spec = services.get(service_name, {}).get("spec")
+        if not spec or spec.get("clusterIP") != "None":
             problems.append(f"{name}: serviceName must be a headless Service")
-        elif not selects(
-            {"matchLabels": services[0]["spec"]["selector"]}, pod_labels(workload)
-        ):
+        elif not selects({"matchLabels": spec["selector"]}, pod_labels(workload)):
             problems.append(f"{name}: its Service does not select its pods")
         # Names must not vanish from DNS on a readiness blip (prefill.yaml).
-        elif services[0]["spec"].get("publishNotReadyAddresses") is not True:
+        elif spec.get("publishNotReadyAddresses") is not True:
             problems.append(f"{name}: its Service must publishNotReadyAddresses")
         url = urlsplit(router_env.get(f"{name.upper()}_URL", ""))
         expected_host = f"{workload['metadata']['name']}-0.{service_name}"
@@ -878,8 +868,7 @@ def test_servers_run_what_compose_runs(
         assert ours != expected
     # Not vacuous: the printout is vLLM's command line for this role.
     assert "vllm.entrypoints.openai.api_server" in expected
-    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
-    assert f'"kv_role":"{kv_role}"' in expected
+    assert f'"kv_role":"{manifests.KV_ROLE[role]}"' in expected
 
 
 def test_server_comparison_catches_drift(
