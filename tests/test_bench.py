@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +25,30 @@ import requests
 
 from bench import (
     http_tap,
+    kv_checksum,
+    kv_path,
+    kv_phases,
     kv_transfer,
     levels,
     loopback,
-    report,
     router_capture,
     router_overhead,
     settings,
+    stack,
+    vllm_bench,
 )
 from bench import transfer_engine as te
 from bench.targets import judge
 from bench.vllm_bench import Level, Plan, bench_serve_args
 from pdstack import kv_layout
+from pdstack import metrics as m
 from pdstack.supervisor import free_port
+from tests.shared import GQA_DRAFT, MLA_TARGET, SMALL_RUN, bench_settings, built
 
-FIXTURE = Path(__file__).resolve().parent.parent / "bench" / "fixtures" / "small-run"
 # The CPU twin's layout (tests/test_kv_layout.py checks it against the models).
-TWIN = kv_layout.layout(
-    {"num_hidden_layers": 8, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
-    {"num_hidden_layers": 1, "num_key_value_heads": 2, "head_dim": 64},
-    "float32",
-    16,
-)
+TWIN = kv_layout.layout(MLA_TARGET, GQA_DRAFT, "float32", 16)
 BLOCK = TWIN.bytes_per_block()
+LENS = [128, 130, 4096]
 
 
 # --- transfer engine ----------------------------------------------------------
@@ -120,42 +121,31 @@ def counters(lens: list[int], **changes: float) -> dict[str, float]:
     return {**base, **changes}
 
 
-def test_layout_check_accepts_whole_blocks_per_request() -> None:
-    lens = [128, 130, 4096]
-    check = kv_transfer.check_layout(lens, counters(lens), TWIN)
-    assert check is not None and check.ok, check
-    # 8 + 9 + 256 blocks of 311296 bytes: per request, never pooled.
-    assert check.expected_bytes == (8 + 9 + 256) * BLOCK == (8 + 9 + 256) * 311296
-
-
 @pytest.mark.parametrize(
-    ("change", "why"),
+    ("change", "ok", "why"),
     [
-        ({"bytes_delta": -BLOCK}, "layout predicts"),
-        ({"bytes_delta": BLOCK // 2}, "layout predicts"),
-        ({"transfers": 4}, "4 transfers for 3 requests"),
-        ({"transfers": 0}, "0 transfers for 3 requests"),
-        ({"failed_transfers": 1}, "failed transfers"),
-        ({"prompt_tokens": 4354 - 1}, "prompt tokens"),
+        ({}, True, "3 requests in 3 transfers"),
+        # Prefill batches the requests bound for one decode: bytes still add up.
+        ({"transfers": 1}, True, "3 requests in 1 transfers"),
+        # Negative controls.
+        ({"bytes_delta": -BLOCK}, False, "layout predicts"),
+        ({"bytes_delta": BLOCK // 2}, False, "layout predicts"),
+        ({"transfers": 4}, False, "4 transfers for 3 requests"),
+        ({"transfers": 0}, False, "0 transfers for 3 requests"),
+        ({"failed_transfers": 1}, False, "failed transfers"),
+        ({"prompt_tokens": 4354 - 1}, False, "prompt tokens"),
     ],
 )
-def test_layout_check_negative_controls(change: dict[str, float], why: str) -> None:
-    lens = [128, 130, 4096]
-    values = counters(lens)
+def test_layout_check(change: dict[str, float], ok: bool, why: str) -> None:
+    values = counters(LENS)
     if "bytes_delta" in change:
         values["bytes"] += change.pop("bytes_delta")
     values.update(change)
-    check = kv_transfer.check_layout(lens, values, TWIN)
-    assert check is not None and not check.ok
+    check = kv_transfer.check_layout(LENS, values, TWIN)
+    assert check is not None and check.ok == ok, check
     assert why in check.detail
-
-
-def test_layout_check_accepts_requests_sharing_a_transfer() -> None:
-    """Prefill batches the requests bound for one decode: bytes still add up."""
-    lens = [128, 130, 4096]
-    check = kv_transfer.check_layout(lens, counters(lens, transfers=1), TWIN)
-    assert check is not None and check.ok, check
-    assert "3 requests in 1 transfers" in check.detail
+    # 8 + 9 + 256 blocks of 311296 bytes: per request, never pooled.
+    assert check.expected_bytes == (8 + 9 + 256) * BLOCK == (8 + 9 + 256) * 311296
 
 
 def test_layout_check_is_skipped_without_a_layout_model() -> None:
@@ -164,12 +154,7 @@ def test_layout_check_is_skipped_without_a_layout_model() -> None:
 
 def test_layout_check_follows_the_stacks_block_size() -> None:
     """A GPU stack's 64-token bfloat16 blocks: 128 tokens are 2 blocks there."""
-    gpu = kv_layout.layout(
-        {"num_hidden_layers": 8, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
-        {"num_hidden_layers": 1, "num_key_value_heads": 2, "head_dim": 64},
-        "bfloat16",
-        64,
-    )
+    gpu = kv_layout.layout(MLA_TARGET, GQA_DRAFT, "bfloat16", 64)
     values = {**counters([130]), "bytes": gpu.transfer_bytes(130)}
     check = kv_transfer.check_layout([130], values, gpu)
     assert check is not None and check.ok, check
@@ -183,28 +168,25 @@ def test_layout_round_trips_through_the_run_directory() -> None:
     assert kv_transfer.layout_from_json(None) is None
 
 
-def test_transfer_cost_per_request() -> None:
-    cost = kv_transfer.cost(
-        counters([4096, 4096], seconds=0.5), requests=2, mean_ttft_ms=5000.0
-    )
+@pytest.mark.parametrize(
+    ("lens", "transfers", "blocks", "per_transfer", "share"),
+    [
+        ([4096, 4096], 2, 256, 0.25, 0.05),
+        # Four requests in one 0.5 s transfer: each waited 0.5 s, not 0.125 s.
+        ([1024] * 4, 1, 64, 0.5, 0.1),
+    ],
+)
+def test_transfer_cost_per_request(
+    lens: list[int], transfers: int, blocks: int, per_transfer: float, share: float
+) -> None:
+    values = counters(lens, transfers=transfers, seconds=0.5)
+    cost = kv_transfer.cost(values, requests=len(lens), mean_ttft_ms=5000.0)
     assert cost is not None
-    assert cost.bytes_per_request == 256 * BLOCK
-    assert cost.seconds_per_transfer == 0.25
-    assert cost.share_of_ttft == pytest.approx(0.05)
-    assert cost.mb_per_s == pytest.approx(2 * 256 * BLOCK / 0.5 / 1e6)
+    assert cost.bytes_per_request == blocks * BLOCK
+    assert cost.seconds_per_transfer == per_transfer
+    assert cost.share_of_ttft == pytest.approx(share)
+    assert cost.mb_per_s == pytest.approx(len(lens) * blocks * BLOCK / 0.5 / 1e6)
     assert kv_transfer.cost(counters([], transfers=0), 0, 1.0) is None
-
-
-def test_transfer_cost_when_requests_share_a_transfer() -> None:
-    """Four requests in one 0.5 s transfer: each waited 0.5 s, not 0.125 s."""
-    lens = [1024] * 4
-    cost = kv_transfer.cost(
-        counters(lens, transfers=1, seconds=0.5), requests=4, mean_ttft_ms=5000.0
-    )
-    assert cost is not None
-    assert cost.bytes_per_request == 64 * BLOCK
-    assert cost.seconds_per_transfer == 0.5
-    assert cost.share_of_ttft == pytest.approx(0.1)
 
 
 # --- router protocol -----------------------------------------------------------
@@ -217,7 +199,7 @@ def test_direct_legs_follow_the_router_protocol() -> None:
 
 
 def test_recorded_router_legs_follow_the_protocol() -> None:
-    capture = json.loads((FIXTURE / "router_overhead.json").read_text())["capture"]
+    capture = json.loads((SMALL_RUN / "router_overhead.json").read_text())["capture"]
     assert capture["prefill_response_kv_params"] is None
     assert (
         router_capture.differences(capture["prefill_leg"], capture["decode_leg"]) == []
@@ -305,17 +287,9 @@ def test_real_router_protocol_through_taps(tmp_path: Path) -> None:
     assert summary["pairs"] == 20 and len(summary["p50_overhead_interval_ms"]) == 2
 
 
-# --- report ---------------------------------------------------------------------
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    target = tmp_path / "run"
-    shutil.copytree(FIXTURE, target)
-    return target
-
-
+# --- report (run_dir: tests/conftest.py) ---------------------------------------
 def test_report_from_a_recorded_run(run_dir: Path) -> None:
-    summary = report.build(run_dir)
-    text = (run_dir / "report.md").read_text()
+    summary, text = built(run_dir)
     raw = {
         p.stem: json.loads(p.read_text()) for p in (run_dir / "raw").glob("*-c?.json")
     }
@@ -347,16 +321,14 @@ def test_report_flags_a_layout_mismatch(run_dir: Path) -> None:
     data = json.loads(kv_file.read_text())
     data["bytes"] += BLOCK
     kv_file.write_text(json.dumps(data))
-    summary = report.build(run_dir)
+    summary, text = built(run_dir)
     assert summary["layout_checks_ok"] is False
-    assert "MISMATCH" in (run_dir / "report.md").read_text()
+    assert "MISMATCH" in text
 
 
 def test_targets_are_judged_by_their_numbers() -> None:
     lens = [4096]
-    result = {"target": "pd", "input_len": 4096, "concurrency": 1, "completed": 1,
-              "mean_ttft_ms": 10_000.0, "input_lens": lens, "errors": [""]}  # fmt: skip
-    level = levels.LevelResult.from_json(result)
+    level = levels.LevelResult.from_json(level_result(4096, mean_ttft_ms=10_000.0))
     fast = levels.Pair(4096, 1, level, None, counters(lens, seconds=0.4))
     slow = levels.Pair(4096, 1, level, None, counters(lens, seconds=0.6))
     assert judge([fast], None, [], None)[0].met is True
@@ -426,23 +398,15 @@ def test_settings_parsers() -> None:
             settings.parse_ints(bad)
 
 
-def parsed(**env: str) -> settings.Settings:
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    settings.add_arguments(parser, env)
-    return settings.from_args(parser.parse_args([]))
-
-
 def test_levels_respect_the_token_budget_cheapest_first() -> None:
-    chosen = parsed(BENCH_INPUT_LENS="128,4096", BENCH_CONCURRENCY="1,16",
-                    BENCH_MAX_BATCH_TOKENS="16384")  # fmt: skip
+    chosen = bench_settings(BENCH_INPUT_LENS="128,4096", BENCH_CONCURRENCY="1,16",
+                            BENCH_MAX_BATCH_TOKENS="16384")  # fmt: skip
     assert chosen.levels() == [(128, 1), (128, 16), (4096, 1)]
     assert chosen.skipped_levels() == [(4096, 16)]
     assert chosen.num_prompts(1) == 2 and chosen.num_prompts(16) == 16
     with pytest.raises(settings.SettingsError, match="BENCH_DECODE_URL"):
-        parsed(BENCH_ROUTER_URL="http://a", BENCH_PREFILL_URL="http://b",
-               BENCH_COLOCATED_URL="http://c")  # fmt: skip
+        bench_settings(BENCH_ROUTER_URL="http://a", BENCH_PREFILL_URL="http://b",
+                       BENCH_COLOCATED_URL="http://c")  # fmt: skip
 
 
 def test_vllm_bench_serve_accepts_the_bench_arguments(tmp_path: Path) -> None:
@@ -464,26 +428,31 @@ def test_vllm_bench_serve_accepts_the_bench_arguments(tmp_path: Path) -> None:
 
 
 # --- the KV checksum's cost ---------------------------------------------------------
+def level_result(length: int, **ttft_ms: float) -> dict[str, Any]:
+    """One request's level as `vllm bench serve` saves it (the keys read)."""
+    return {"target": "pd", "input_len": length, "concurrency": 1, "completed": 1,
+            "input_lens": [length], "errors": [""], **ttft_ms}  # fmt: skip
+
+
+def write_request(stem: Path, kv: dict[str, float], length: int, **ttft: float) -> None:
+    """A single-request level and its transfer counters, as the bench writes them."""
+    stem.with_suffix(".json").write_text(json.dumps(level_result(length, **ttft)))
+    stem.with_suffix(".kv.json").write_text(json.dumps(kv))
+
+
 def write_checksum_pass(
     run_dir: Path, state: str, ttft_ms: dict[int, list[float]], enabled: float
 ) -> None:
     """One pass as the bench leaves it: a single-request level per request
     (vllm bench serve's keys the report reads), its transfer counters, decode's
     checksum series."""
-    from bench import kv_checksum
-
     where = kv_checksum.pass_dir(run_dir, state)
     where.mkdir(parents=True)
     for length, values in ttft_ms.items():
         for i, ttft in enumerate(values):
-            name = where / f"pd-in{length}-c1-r{i}"
-            result = {"target": "pd", "input_len": length, "concurrency": 1,
-                      "completed": 1, "p50_ttft_ms": ttft, "mean_ttft_ms": ttft,
-                      "input_lens": [length], "errors": [""]}  # fmt: skip
-            name.with_suffix(".json").write_text(json.dumps(result))
-            name.with_suffix(".kv.json").write_text(
-                json.dumps(counters([length], seconds=ttft / 20e3))
-            )
+            kv = counters([length], seconds=ttft / 20e3)
+            write_request(where / f"pd-in{length}-c1-r{i}", kv, length,
+                          p50_ttft_ms=ttft, mean_ttft_ms=ttft)  # fmt: skip
     matched = 9 * sum(map(len, ttft_ms.values())) if enabled else 0
     state_data = {"enabled": enabled, "matched_regions": matched,
                   "mismatched_regions": 0}  # fmt: skip
@@ -501,13 +470,10 @@ DIGEST = {
 
 
 def test_report_renders_the_checksum_on_off_table(run_dir: Path) -> None:
-    from bench import kv_checksum
-
     write_checksum_pass(run_dir, "on", {128: [700, 720, 710], 4096: [10100] * 3}, 1)
     write_checksum_pass(run_dir, "off", {128: [690, 700, 705], 4096: [10000] * 3}, 0)
     (run_dir / kv_checksum.DIR / kv_checksum.DIGEST_FILE).write_text(json.dumps(DIGEST))
-    summary = report.build(run_dir)
-    text = (run_dir / "report.md").read_text()
+    summary, text = built(run_dir)
     assert "## KV checksum: on / off" in text
     assert "| 128 | 3 / 3 | 710 / 700 | +10 (1.4%) | 35.5 / 35.0 |" in text
     assert "| 4096 | 3 / 3 | 10,100 / 10,000 | +100 (1.0%) |" in text
@@ -523,8 +489,6 @@ def test_report_renders_the_checksum_on_off_table(run_dir: Path) -> None:
 def test_checksum_target_is_judged_by_its_number_and_the_passes_state(
     run_dir: Path,
 ) -> None:
-    from bench import kv_checksum
-
     write_checksum_pass(run_dir, "on", {4096: [10300]}, 1)
     write_checksum_pass(run_dir, "off", {4096: [10000]}, 0)
 
@@ -543,9 +507,7 @@ def test_checksum_target_is_judged_by_its_number_and_the_passes_state(
 def test_checksum_plan_sends_the_same_distinct_prompts_in_both_states(
     tmp_path: Path,
 ) -> None:
-    from bench import kv_checksum
-
-    chosen = parsed(BENCH_CHECKSUM_REQUESTS="3")
+    chosen = bench_settings(BENCH_CHECKSUM_REQUESTS="3")
     plans = [
         kv_checksum.plan(chosen, "http://r", "http://p", tmp_path / s, "/tok")
         for s in kv_checksum.STATES
@@ -561,8 +523,6 @@ def test_checksum_plan_sends_the_same_distinct_prompts_in_both_states(
 
 def test_digest_benchmark_runs_the_plugins_digest_on_every_region() -> None:
     pytest.importorskip("vllm")
-    from bench import kv_checksum
-
     data = kv_checksum.digest_benchmark(TWIN, cache_bytes=32 * BLOCK, tokens=64,
                                         rounds=1)  # fmt: skip
     assert data["regions"] == 9 and data["bytes"] == TWIN.transfer_bytes(64)
@@ -615,24 +575,18 @@ def write_kv_path_run(
     levels (vllm bench serve's keys) with their transfer counters and staging
     phases (none at all: ``phases`` None, a run from before they were
     recorded); per state the burst's level and state.json; the engine alone."""
-    from bench import kv_path, kv_phases
-
     for (state, name), by_len in cells.items():
         where = kv_path.state_dir(run_dir, state)
         (where / name).mkdir(parents=True, exist_ok=True)
         for length, (descriptors, seconds, ttft) in by_len.items():
             for i in range(requests_n):
-                stem = where / name / f"pd-in{length}-c1-r{i}"
-                result = {"target": "pd", "input_len": length, "concurrency": 1,
-                          "completed": 1, "p50_ttft_ms": ttft + i,
-                          "input_lens": [length], "errors": [""]}  # fmt: skip
-                stem.with_suffix(".json").write_text(json.dumps(result))
                 kv = counters([length], seconds=seconds, descriptors=descriptors)
                 if phases is not None:
                     took = phases.get((state, name), {}).get(length, (0, 0, 0))
                     kv |= dict(zip(map(kv_phases.key, kv_phases.PHASES), took,
                                    strict=True))  # fmt: skip
-                stem.with_suffix(".kv.json").write_text(json.dumps(kv))
+                stem = where / name / f"pd-in{length}-c1-r{i}"
+                write_request(stem, kv, length, p50_ttft_ms=ttft + i)
         burst = {"target": "pd", "input_len": 1024, "concurrency": 8,
                  "completed": 16, "failed": 0, "input_lens": [103, 1940],
                  "output_lens": [5, 91]}  # fmt: skip
@@ -646,8 +600,7 @@ def write_kv_path_run(
 
 def test_report_renders_the_kv_path_section(run_dir: Path) -> None:
     write_kv_path_run(run_dir)
-    summary = report.build(run_dir)
-    text = (run_dir / "report.md").read_text()
+    summary, text = built(run_dir)
     head = "\n\n## KV path: staged / direct sends, fresh / fragmented block lists\n\n"
     assert head in text
     # 64 blocks of 311296 B in 25 ms: 797 MB/s, 79.7% of 1 GB/s at 16 MiB; the
@@ -688,8 +641,7 @@ def test_report_breaks_staged_sends_down_by_phase(run_dir: Path) -> None:
     data = json.loads(kv.read_text())
     kv.write_text(json.dumps(data | dict.fromkeys(
         ("gather_seconds", "write_seconds", "scatter_seconds"), 0.0)))  # fmt: skip
-    summary = report.build(run_dir)
-    text = (run_dir / "report.md").read_text()
+    summary, text = built(run_dir)
     assert ("| state | pass | prompt | staged requests | gather p50 ms | "
             "write p50 ms | scatter p50 ms | transfer p50 ms | TTFT p50 ms |"
             ) in text  # fmt: skip
@@ -709,20 +661,25 @@ def test_report_breaks_staged_sends_down_by_phase(run_dir: Path) -> None:
 def test_kv_path_phases_of_a_run_without_them_are_not_made_up(run_dir: Path) -> None:
     """A run from before the phases were recorded: n/a, not "-" or 0."""
     write_kv_path_run(run_dir, phases=None)
-    summary = report.build(run_dir)
-    text = (run_dir / "report.md").read_text()
+    summary, text = built(run_dir)
     assert "| staged | fresh | 1024 | n/a | n/a | n/a | n/a | 25.0 | 2,001 |" in text
     assert all(c["staged_requests"] is None for c in summary["kv_path"]["cells"])
 
 
 def test_engine_table_shows_the_staged_paths_submission(run_dir: Path) -> None:
     write_kv_path_run(run_dir)
-    report.build(run_dir)
-    text = (run_dir / "report.md").read_text()
+    _, text = built(run_dir)
     assert "| engine, 1 MiB descriptors (stall_guard) GB/s |" in text
     # 1 and 2 GB/s against the 4 GB/s socket.
     row = "| 16 MiB | 1.00 | 4.00 | 2.00 | n/a | 4.00 | 4.00 | 25% | 25% | 50% |"
     assert row in text
+
+
+def staging(**phases: float) -> m.Snapshot:
+    """Staging seconds by phase, as a server's /metrics gives them."""
+    samples = {(m.STAGING_SECONDS, frozenset({("phase", p)})): v
+               for p, v in phases.items()}  # fmt: skip
+    return m.Snapshot(samples)
 
 
 def test_decode_phases_settle_like_prefills_counters(
@@ -730,8 +687,6 @@ def test_decode_phases_settle_like_prefills_counters(
 ) -> None:
     """Decode's scatter over a request: read once its KV is in (tokens
     loaded) and three scrapes agree; prefill's phases from a delta."""
-    from bench import kv_phases
-    from pdstack import metrics as m
 
     def snap(scatter: float, loaded: float) -> m.Snapshot:
         phase = frozenset({("phase", "scatter"), ("engine", "0")})
@@ -744,10 +699,7 @@ def test_decode_phases_settle_like_prefills_counters(
     got = kv_phases.settle_decode("http://d", snap(0, 0), 1, 20.0)
     assert got == {"scatter_seconds": 0.02, kv_phases.LOADED: 1023,
                    kv_phases.FAILED: 0}  # fmt: skip
-    both = m.Snapshot({
-        (m.STAGING_SECONDS, frozenset({("phase", "gather")})): 0.003,
-        (m.STAGING_SECONDS, frozenset({("phase", "write")})): 0.021,
-    })  # fmt: skip
+    both = staging(gather=0.003, write=0.021)
     assert kv_phases.totals(both, kv_phases.PREFILL) == {
         "gather_seconds": 0.003, "write_seconds": 0.021}  # fmt: skip
     assert kv_phases.staged({"gather_seconds": 0.0, "scatter_seconds": 0.0}) is False
@@ -756,8 +708,6 @@ def test_decode_phases_settle_like_prefills_counters(
 
 def kv_path_targets(run_dir: Path) -> dict[str, Any]:
     """The KV path's three targets, by the words after 'KV staging: '."""
-    from bench import kv_path
-
     comparisons = te.compare(te.from_json(engine_json(ENGINE_GBPS)))
     checks = judge([], None, comparisons, None, None, (), kv_path.read(run_dir))
     return {t.name.split(": ")[1].split(",")[0]: t for t in checks[-3:]}
@@ -794,8 +744,6 @@ def test_kv_path_targets_without_measurements(tmp_path: Path) -> None:
     length missing from a pass leaves its target unresolved, not met."""
     assert all(t.met is None for t in judge([], None, [], None)[-3:])
     write_kv_path_run(tmp_path)
-    from bench import kv_path
-
     rate = judge([], None, [], None, None, (), kv_path.read(tmp_path))[-3]
     assert rate.met is None and "no engine results" in rate.measured
     for p in (tmp_path / "kv_path" / "staged" / "fragmented").glob("pd-in4096-*"):
@@ -811,8 +759,7 @@ def test_kv_path_says_when_staging_was_not_in_effect(run_dir: Path) -> None:
     same = {(state, name): by for (_, name), by in KV_PATHS.items()
             if _ == "direct" for state in ("staged", "direct")}  # fmt: skip
     write_kv_path_run(run_dir, same)
-    report.build(run_dir)
-    text = (run_dir / "report.md").read_text()
+    _, text = built(run_dir)
     assert "(4096 tokens: fresh 18 vs 18, fragmented 2304 vs 2304): staging was" in text
     assert all("not in effect" in t.note for t in kv_path_targets(run_dir).values())
 
@@ -820,9 +767,7 @@ def test_kv_path_says_when_staging_was_not_in_effect(run_dir: Path) -> None:
 def test_kv_path_plan_sends_the_same_distinct_prompts_in_both_states(
     tmp_path: Path,
 ) -> None:
-    from bench import kv_path
-
-    chosen = parsed(BENCH_KV_PATH_REQUESTS="2")
+    chosen = bench_settings(BENCH_KV_PATH_REQUESTS="2")
     plans = [
         kv_path.plan(chosen, "http://r", "http://p", kv_path.state_dir(tmp_path, s),
                      "/tok", decode="http://d")
@@ -844,8 +789,6 @@ def test_kv_path_plan_sends_the_same_distinct_prompts_in_both_states(
     assert levels_[8].result_file.endswith("staged/fragmented/pd-in128-c1-r0.json")
     assert (tmp_path / "kv_path" / "direct" / "fragmented").is_dir()
     # The checksum's requests are other prompts.
-    from bench import kv_checksum
-
     checksum = kv_checksum.plan(chosen, "http://r", "http://p", tmp_path, "/tok")
     assert not {lv.seed for lv in checksum.levels} & {seed for _, seed in staged}
 
@@ -853,8 +796,6 @@ def test_kv_path_plan_sends_the_same_distinct_prompts_in_both_states(
 def test_kv_path_engine_sizes_are_the_configured_ones_nearest_its_transfers(
     tmp_path: Path,
 ) -> None:
-    from bench import kv_path
-
     write_kv_path_run(tmp_path)
     sizes = settings.parse_sizes(settings.DEFAULT_TRANSFER_SIZES)
     assert kv_path.sizes_for(kv_path.read(tmp_path), sizes) == (16 << 20, 64 << 20)
@@ -869,10 +810,6 @@ def test_a_stack_restarts_with_its_setting_and_only_then(
     """bench.stack.restart_pd, the one way the checksum and KV path steps
     change a setting: the P/D servers stopped first, started with the
     setting in their environment, the bench's own environment as it was."""
-    import os
-
-    from bench import stack
-
     seen: list[tuple[str, str | None]] = []
 
     class Own:
@@ -899,18 +836,10 @@ def test_a_levels_kv_file_has_both_servers_phases(
     """bench.vllm_bench scrapes prefill and decode around a level with a KV
     file and a decode URL: the counters, gather and write from prefill, the
     scatter from decode, each settled."""
-    from bench import vllm_bench
-    from pdstack import metrics as m
-
-    def staged(**phases: float) -> m.Snapshot:
-        samples = {(m.STAGING_SECONDS, frozenset({("phase", p)})): v
-                   for p, v in phases.items()}  # fmt: skip
-        return m.Snapshot(samples)
-
     after = {
-        "http://p": m.Snapshot({**staged(gather=0.003, write=0.021).samples,
+        "http://p": m.Snapshot({**staging(gather=0.003, write=0.021).samples,
                                 (m.TRANSFERS, frozenset()): 1.0}),
-        "http://d": m.Snapshot({**staged(scatter=0.004).samples,
+        "http://d": m.Snapshot({**staging(scatter=0.004).samples,
                                 (m.EXTERNAL_HITS, frozenset()): 1023.0}),
     }  # fmt: skip
     scrapes: list[str] = []

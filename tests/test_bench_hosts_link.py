@@ -10,21 +10,19 @@ reaches 83% of it: CPU-bound, not judged).
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench import hosts_link as hl
-from bench import loopback, report
+from bench import loopback
 from bench.targets import HOSTS_LINK_TARGET, judge
 from pdstack import netns
+from tests.shared import SMALL_RUN, bench_settings, built
 
-FIXTURE = Path(__file__).resolve().parent.parent / "bench" / "fixtures" / "small-run"
-RECORDED = json.loads((FIXTURE / "hosts_link.json").read_text())
+RECORDED = json.loads((SMALL_RUN / "hosts_link.json").read_text())
 # The real test's own tag (not "bl", which `make bench` uses, nor "mh"/"ut").
 TEST_TAG = "blt"
 REASON = netns.missing_privileges()
@@ -98,11 +96,8 @@ def test_target_negative_controls() -> None:
     assert verdict(rates(**{"1gbit": {"engine_bps": at * 0.99}})).met is False
 
 
-def test_report_renders_the_hosts_table(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    shutil.copytree(FIXTURE, run_dir)
-    summary = report.build(run_dir)
-    text = (run_dir / "report.md").read_text()
+def test_report_renders_the_hosts_table(run_dir: Path) -> None:
+    summary, text = built(run_dir)
     assert "## Mooncake transfer engine between hosts" in text
     one = next(r for r in RECORDED if r["rate"] == "1gbit")
     row = next(line for line in text.splitlines() if line.startswith("| 1 Gbit/s |"))
@@ -121,10 +116,8 @@ def test_report_renders_the_hosts_table(tmp_path: Path) -> None:
     assert summary["targets"][HOSTS_TARGET]["met"] is True
     # Negative control: without the measurement, no table and no verdict.
     (run_dir / "hosts_link.json").unlink()
-    summary = report.build(run_dir)
-    assert "## Mooncake transfer engine between hosts" not in (
-        (run_dir / "report.md").read_text()
-    )
+    summary, text = built(run_dir)
+    assert "## Mooncake transfer engine between hosts" not in text
     assert summary["targets"][HOSTS_TARGET]["met"] is None
 
 
@@ -159,11 +152,9 @@ def test_engine_and_socket_between_hosts_for_real() -> None:
 def test_make_bench_step_runs_the_subcommand_or_says_why_not(tmp_path: Path) -> None:
     from unittest import mock
 
-    from bench import run, settings
+    from bench import run
 
-    parser = argparse.ArgumentParser()
-    settings.add_arguments(parser, env={})
-    chosen = settings.from_args(parser.parse_args(["--hosts-link-size", "8M"]))
+    chosen = bench_settings(["--hosts-link-size", "8M"])
     calls: list[list[str]] = []
     with mock.patch.object(run, "_bench_subprocess", lambda a, *_: calls.append(a)):
         with mock.patch.object(netns, "missing_privileges", lambda: "uid 65534"):
@@ -175,5 +166,5 @@ def test_make_bench_step_runs_the_subcommand_or_says_why_not(tmp_path: Path) -> 
     assert args[:3] == ["hosts-link", "--json", str(tmp_path / "hosts_link.json")]
     assert args[3:] == ["--hosts-link-size", str(8 << 20), "--hosts-link-repeats", "3"]
     # What the step passes, the subcommand parses.
-    parsed = settings.from_args(parser.parse_args(args[3:]))
+    parsed = bench_settings(args[3:])
     assert (parsed.hosts_link_size, parsed.hosts_link_repeats) == (8 << 20, 3)

@@ -9,10 +9,6 @@ import pytest
 from pdstack import config
 
 
-def flag_value(argv: list[str], flag: str) -> str:
-    return argv[argv.index(flag) + 1]
-
-
 def test_roles_differ_only_in_kv_role() -> None:
     prefill = config.vllm_flags("prefill", "tiny", "cpu")
     decode = config.vllm_flags("decode", "tiny", "cpu")
@@ -49,7 +45,7 @@ def test_env_overrides_reach_the_connector_config() -> None:
         "kv_staging_mib": 256,
     }
     argv = config.render(flags, {"tiny_target": "t", "tiny_draft": "d"})
-    rendered = json.loads(flag_value(argv, "--kv-transfer-config"))
+    rendered = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert rendered["kv_connector_extra_config"]["device_name"] == "mlx5_0"
     # The override did not leak into the loaded configuration.
     base = config.vllm_flags("decode", "tiny", "gpu")
@@ -137,13 +133,9 @@ def test_tiny_profile_dtype_follows_the_target() -> None:
     assert config.vllm_flags("decode", "tiny", "gpu")["dtype"] == "bfloat16"
 
 
-def test_a_profile_target_section_must_name_a_known_target(tmp_path, monkeypatch):
-    import shutil
-
-    shutil.copytree(config.CONFIGS, tmp_path / "configs")
-    bad = tmp_path / "configs" / "profiles" / "bad.yaml"
+def test_a_profile_target_section_must_name_a_known_target(configs) -> None:
+    bad = configs / "profiles" / "bad.yaml"
     bad.write_text("vllm: {}\ntargets:\n  tpu:\n    dtype: float16\n")
-    monkeypatch.setattr(config, "CONFIGS", tmp_path / "configs")
     with pytest.raises(config.ConfigError, match="unknown target 'tpu'"):
         config.vllm_flags("prefill", "bad", "gpu")
 

@@ -7,21 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pdstack import kv_layout, tiny_model
-
-MLA_TARGET = {
-    "num_hidden_layers": 8,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "num_attention_heads": 4,
-    "hidden_size": 256,
-}
-GQA_DRAFT = {
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "hidden_size": 256,
-}
+from tests.shared import GQA_DRAFT, MLA_TARGET
 
 
 def test_the_twin_measured_values() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,22 +11,12 @@ import yaml
 
 from pdstack import config, cuda_selector, kv_layout, preflight, serve
 
-ROLES = config.ROLES
 GPUS = {gpu: cap for gpu, (cap, _) in preflight.GPUS.items()}
 
 
 @pytest.fixture(scope="module")
 def tiny() -> list[preflight.Check]:
     return preflight.run(["tiny"], GPUS)
-
-
-@pytest.fixture
-def configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A copy of configs/ that pdstack.config renders from."""
-    copy = tmp_path / "configs"
-    shutil.copytree(config.CONFIGS, copy)
-    monkeypatch.setattr(config, "CONFIGS", copy)
-    return copy
 
 
 def set_gpu_flag(configs: Path, profile: str, key: str, value: Any) -> None:
@@ -49,7 +38,7 @@ def test_tiny_gpu_configuration_is_accepted_on_sm80_sm90_sm100(
     tiny: list[preflight.Check],
 ) -> None:
     assert sorted((c.role, c.gpu) for c in tiny) == sorted(
-        (r, g) for r in ROLES for g in GPUS
+        (r, g) for r in config.ROLES for g in GPUS
     )
     for c in tiny:
         assert c.status == "accepted", (c.gpu, c.problems)

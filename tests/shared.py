@@ -1,0 +1,41 @@
+"""What several tests/ modules share: the twin's shapes, the bench's recorded
+run, its settings and report as a test reads them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from bench import report, settings
+
+# The CPU twin's target and draft (tests/test_kv_layout.py checks them against
+# the generated pair).
+MLA_TARGET = {
+    "num_hidden_layers": 8,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "num_attention_heads": 4,
+    "hidden_size": 256,
+}
+GQA_DRAFT = {
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_size": 256,
+}
+SMALL_RUN = Path(__file__).resolve().parent.parent / "bench" / "fixtures" / "small-run"
+
+
+def bench_settings(argv: list[str] | None = None, **env: str) -> settings.Settings:
+    """The bench's settings from its command line and environment."""
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser, env)
+    return settings.from_args(parser.parse_args(argv or []))
+
+
+def built(run_dir: Path) -> tuple[dict[str, Any], str]:
+    """report.build's summary of a run directory and the report.md it wrote."""
+    summary = report.build(run_dir)
+    return summary, (run_dir / "report.md").read_text()
