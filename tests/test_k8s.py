@@ -199,8 +199,9 @@ def container_env(objects: list[Object], container: Object) -> dict[str, str]:
 # --- compose, for comparison ------------------------------------------------------
 
 
-def compose_services(twin: Twin) -> dict[str, Object]:
+def compose_services(overlay: str) -> dict[str, Object]:
     """Compose's service for each workload (prefill, decode, router)."""
+    twin = OVERLAYS[overlay]
     # .env and configs/ports.env as on a GPU host; the profile from the
     # "shell", which wins over .env.
     model = manifests.compose_config(
@@ -347,9 +348,9 @@ def secret_violations(objects: list[Object]) -> list[str]:
     return problems
 
 
-def image_violations(objects: list[Object], twin: Twin) -> list[str]:
+def image_violations(objects: list[Object], overlay: str) -> list[str]:
     """Every container runs compose's image for the same service."""
-    expected = {name: s["image"] for name, s in compose_services(twin).items()}
+    expected = {name: s["image"] for name, s in compose_services(overlay).items()}
     problems = []
     for name, workload in workloads(objects).items():
         for container in all_containers(workload):
@@ -439,7 +440,8 @@ def service_violations(objects: list[Object]) -> list[str]:
 
 
 def port_violations(objects: list[Object], port_env: Mapping[str, str]) -> list[str]:
-    """Every port number is the one configs/ports.env sets."""
+    """Every port number is the one configs/ports.env sets: on the containers,
+    their Services and in their environment."""
     problems = []
     found = workloads(objects)
     for (name, port), variable in NAMED_PORTS.items():
@@ -525,7 +527,7 @@ def violations(objects: list[Object], overlay: str) -> list[str]:
         *security_violations(objects),
         *shm_violations(objects),
         *secret_violations(objects),
-        *image_violations(objects, twin),
+        *image_violations(objects, overlay),
         *network_violations(objects),
         *service_violations(objects),
         *port_violations(objects, ports()),
@@ -663,7 +665,7 @@ def test_image_checker_catches_violations() -> None:
     found = workloads(objects)
     main_container(found["decode"])["image"] = "vllm/vllm-openai:latest"
     pod(found[ROUTER])["initContainers"][0]["image"] = "curlimages/curl:8.0.0"
-    assert image_violations(objects, OVERLAYS["tiny"]) == [
+    assert image_violations(objects, "tiny") == [
         "router/wait-for-backends: image curlimages/curl:8.0.0, "
         "compose runs pd-mooncake/router:local",
         "decode/vllm: image vllm/vllm-openai:latest, "
@@ -843,8 +845,7 @@ def test_servers_run_what_compose_runs(
     capsys: pytest.CaptureFixture[str],
     no_model_generation: None,
 ) -> None:
-    twin = OVERLAYS[overlay]
-    service = compose_services(twin)[role]
+    service = compose_services(overlay)[role]
     objects = render(overlay)
     container = main_container(workloads(objects)[role])
     # `args` only: the image's ENTRYPOINT (tini, serving-entrypoint) runs, as
@@ -852,7 +853,7 @@ def test_servers_run_what_compose_runs(
     assert "command" not in container and service.get("entrypoint") is None
     assert container["args"] == service["command"]
     theirs, mine = environment(service), container_env(objects, container)
-    assert mine["PD_PROFILE"] == twin.profile
+    assert mine["PD_PROFILE"] == OVERLAYS[overlay].profile
     assert env_drift(theirs, mine, K8S_ONLY_SERVING_ENV) == []
     expected = served(service["command"], theirs, monkeypatch, capsys)
     engine_id = mine.pop("PD_ENGINE_ID", None)
@@ -876,8 +877,7 @@ def test_server_comparison_catches_drift(
     capsys: pytest.CaptureFixture[str],
     no_model_generation: None,
 ) -> None:
-    twin = OVERLAYS["kimi-k2.5"]
-    service = compose_services(twin)["decode"]
+    service = compose_services("kimi-k2.5")["decode"]
     objects = render("kimi-k2.5")
     configmap(objects, "PD_PROFILE")["data"]["PD_GPU_MEMORY_UTILIZATION"] = "0.5"
     container = main_container(workloads(objects)["decode"])
@@ -906,8 +906,7 @@ def router_launch(env: Mapping[str, str]) -> list[str]:
 
 @each_overlay
 def test_router_runs_what_compose_runs(overlay: str) -> None:
-    twin = OVERLAYS[overlay]
-    service = compose_services(twin)[ROUTER]
+    service = compose_services(overlay)[ROUTER]
     objects = render(overlay)
     container = main_container(workloads(objects)[ROUTER])
     # No command or args: the image's CMD (python3 -m pdstack.route), as compose.
@@ -925,8 +924,7 @@ def test_router_runs_what_compose_runs(overlay: str) -> None:
 
 
 def test_router_comparison_catches_drift() -> None:
-    twin = OVERLAYS["tiny"]
-    theirs = environment(compose_services(twin)[ROUTER])
+    theirs = environment(compose_services("tiny")[ROUTER])
     mine = {**theirs, "ROUTER_METRICS_PORT": "9100", "BOOTSTRAP_PORT": "9000"}
     assert env_drift(theirs, mine, K8S_ONLY_ROUTER_ENV) == [
         "BOOTSTRAP_PORT: compose '8998', k8s '9000'",
@@ -942,7 +940,7 @@ def startup_budget_s(container: Object) -> float:
 
 @each_overlay
 def test_start_budgets_cover_compose_and_each_other(overlay: str) -> None:
-    services = compose_services(OVERLAYS[overlay])
+    services = compose_services(overlay)
     objects = render(overlay)
     found = workloads(objects)
     budgets = []
@@ -958,7 +956,7 @@ def test_start_budgets_cover_compose_and_each_other(overlay: str) -> None:
 
 @each_overlay
 def test_shm_and_grace_period_match_compose(overlay: str) -> None:
-    services = compose_services(OVERLAYS[overlay])
+    services = compose_services(overlay)
     found = workloads(render(overlay))
     for role in SERVING:
         spec, service = pod(found[role]), services[role]
