@@ -613,9 +613,8 @@ def _break_security(objects: list[Object], found: dict[str, Object]) -> list[str
 
 
 def _break_secrets(objects: list[Object], found: dict[str, Object]) -> list[str]:
-    main_container(found["prefill"])["env"].append(
-        {"name": "HF_TOKEN", "value": "hf_abc"}
-    )
+    hf_token = {"name": "HF_TOKEN", "value": "hf_abc"}
+    main_container(found["prefill"])["env"].append(hf_token)
     router_env = main_container(found[ROUTER])["env"]
     named(router_env, "ROUTER_API_KEY_FILE")["value"] = "/tmp/api_key"
     pd_ports = configmap(objects, "ROUTER_PORT")
@@ -675,12 +674,10 @@ def test_image_checker_catches_violations() -> None:
 
 def test_network_checker_catches_violations() -> None:
     objects = render("tiny")
-    prefill = find(objects, "NetworkPolicy", "prefill")
-    prefill["spec"]["ingress"].append({"ports": [{"port": "bootstrap"}]})
-    prefill["spec"]["ingress"].append({"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]})
-    prefill["spec"]["ingress"].append(
-        {"from": [{"podSelector": {"matchLabels": {"app": "other"}}}]}
-    )
+    ingress = find(objects, "NetworkPolicy", "prefill")["spec"]["ingress"]
+    ingress.append({"ports": [{"port": "bootstrap"}]})
+    ingress.append({"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]})
+    ingress.append({"from": [{"podSelector": {"matchLabels": {"app": "other"}}}]})
     objects.remove(find(objects, "NetworkPolicy", "decode"))
     assert network_violations(objects) == [
         "prefill: an ingress rule admits every source",
@@ -704,9 +701,8 @@ def test_service_checker_catches_violations() -> None:
         "router/wait-for-backends: waits on another PREFILL_URL",
     ]
     decode["kind"] = "Deployment"
-    assert "decode: must be a StatefulSet (stable pod names)" in (
-        service_violations(objects)
-    )
+    problems = service_violations(objects)
+    assert "decode: must be a StatefulSet (stable pod names)" in problems
 
 
 def test_port_checker_catches_violations() -> None:
@@ -739,9 +735,7 @@ def test_gpu_checker_catches_violations() -> None:
 def test_reference_checker_catches_the_base_alone() -> None:
     # The base names pd-serving but only overlays generate it (PD_PROFILE
     # comes from the overlay, as compose requires it from .env).
-    objects = render(BASE)
-    problems = reference_violations(objects)
-    assert problems == [
+    assert reference_violations(render(BASE)) == [
         "decode/vllm: no ConfigMap pd-serving",
         "prefill/vllm: no ConfigMap pd-serving",
     ]
