@@ -75,10 +75,9 @@ def test_transfer_engine_moves_every_size_and_checks_arrival() -> None:
     assert te.from_json(json.loads(json.dumps(te.to_json(samples)))) == samples
 
 
-MISADDRESSED = [("engine", 64 << 10), (te.CHUNKED_METHOD, 2 << 20)]
-
-
-@pytest.mark.parametrize(("method", "size"), MISADDRESSED)
+@pytest.mark.parametrize(
+    ("method", "size"), [("engine", 64 << 10), (te.CHUNKED_METHOD, 2 << 20)]
+)
 def test_transfer_engine_check_catches_misplaced_bytes(method: str, size: int) -> None:
     """Negative control: a real transfer landing 4 KiB off is reported."""
     with pytest.raises(te.TransferBenchError, match="bytes differ"):
@@ -214,27 +213,20 @@ def broken(leg: str, edit: Any) -> list[str]:
     return router_capture.differences(prefill, decode)
 
 
+def in_kv(**changes: Any) -> Any:
+    """An edit of a leg's kv_transfer_params."""
+    return lambda body: body["kv_transfer_params"].update(changes)
+
+
 @pytest.mark.parametrize(
     ("leg", "edit", "why"),
     [
         ("decode", lambda b: b["kv_transfer_params"].pop("remote_engine_id"), "keys"),
-        (
-            "decode",
-            lambda b: b["kv_transfer_params"].update(transfer_id="x"),
-            "different",
-        ),
+        ("decode", in_kv(transfer_id="x"), "different"),
         ("prefill", lambda b: b.update(max_tokens=4), "max_tokens"),
         ("prefill", lambda b: b.update(kv_transfer_params=None), "is None"),
-        (
-            "decode",
-            lambda b: b["kv_transfer_params"].update(do_remote_prefill=False),
-            "do_remote_prefill",
-        ),
-        (
-            "decode",
-            lambda b: b["kv_transfer_params"].update(remote_bootstrap_addr="h:1"),
-            "http://host:port",
-        ),
+        ("decode", in_kv(do_remote_prefill=False), "do_remote_prefill"),
+        ("decode", in_kv(remote_bootstrap_addr="h:1"), "http://host:port"),
         ("decode", lambda b: b.update(prompt="other"), "prompt"),
     ],
 )
@@ -248,16 +240,12 @@ def test_tap_records_and_stubs_answer() -> None:
         "stub", free_port(), None, respond=router_capture.stub_vllm("m")
     )
     tap = http_tap.Tap("tap", free_port(), stub.url)
+    completions = f"{tap.url}/v1/completions"
     with http_tap.TapServer([stub, tap]) as server:
-        ok = requests.post(
-            f"{tap.url}/v1/completions", json={"prompt": "x"}, timeout=10
-        )
+        ok = requests.post(completions, json={"prompt": "x"}, timeout=10)
         missing = requests.get(f"{tap.url}/nowhere", timeout=10)
-        stream = requests.post(
-            f"{tap.url}/v1/completions",
-            json={"prompt": "y", "stream": True},
-            timeout=10,
-        )
+        body = {"prompt": "y", "stream": True}
+        stream = requests.post(completions, json=body, timeout=10)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "x"
     assert missing.status_code == 404
     assert stream.text.count("data: ") == 3 and stream.text.endswith("data: [DONE]\n\n")
@@ -630,6 +618,11 @@ def test_report_renders_the_kv_path_section(run_dir: Path) -> None:
     assert cells[0]["vs_engine_chunked"] == pytest.approx(64 * BLOCK / 0.025 / 2e9)
     names = [t["name"] for t in summary["targets"]]
     assert sum("KV staging" in n for n in names) == 3
+    # The engine table shows the staged path's submission: 1 and 2 GB/s
+    # against the 4 GB/s socket.
+    assert "| engine, 1 MiB descriptors (stall_guard) GB/s |" in text
+    row = "| 16 MiB | 1.00 | 4.00 | 2.00 | n/a | 4.00 | 4.00 | 25% | 25% | 50% |"
+    assert row in text
 
 
 def test_report_breaks_staged_sends_down_by_phase(run_dir: Path) -> None:
@@ -664,15 +657,6 @@ def test_kv_path_phases_of_a_run_without_them_are_not_made_up(run_dir: Path) -> 
     summary, text = built(run_dir)
     assert "| staged | fresh | 1024 | n/a | n/a | n/a | n/a | 25.0 | 2,001 |" in text
     assert all(c["staged_requests"] is None for c in summary["kv_path"]["cells"])
-
-
-def test_engine_table_shows_the_staged_paths_submission(run_dir: Path) -> None:
-    write_kv_path_run(run_dir)
-    _, text = built(run_dir)
-    assert "| engine, 1 MiB descriptors (stall_guard) GB/s |" in text
-    # 1 and 2 GB/s against the 4 GB/s socket.
-    row = "| 16 MiB | 1.00 | 4.00 | 2.00 | n/a | 4.00 | 4.00 | 25% | 25% | 50% |"
-    assert row in text
 
 
 def staging(**phases: float) -> m.Snapshot:

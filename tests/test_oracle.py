@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from pdstack.oracle import GPU_EPSILON, Step, judge, steps
@@ -10,42 +12,37 @@ from pdstack.oracle import GPU_EPSILON, Step, judge, steps
 REFERENCE = [Step(7, 1.2), Step(3, 0.8), Step(9, 2.5), Step(4, 0.02), Step(5, 1.0)]
 
 
-def test_equal_answer_passes_at_any_epsilon() -> None:
-    for eps in (0.0, 0.05, GPU_EPSILON):
-        verdict = judge(REFERENCE, [7, 3, 9, 4, 5], eps)
-        assert verdict.ok, verdict.describe()
+@pytest.mark.parametrize(
+    ("answer", "eps", "ok", "verdict_is"),
+    [
+        # The equal answer passes at any epsilon.
+        ([7, 3, 9, 4, 5], 0.0, True, {}),
+        ([7, 3, 9, 4, 5], 0.05, True, {}),
+        ([7, 3, 9, 4, 5], GPU_EPSILON, True, {}),
+        # The runner-up at position 3, then anything: numerics, not KV.
+        ([7, 3, 9, 8, 1], 0.05, True, {"near_tie_at": 3, "compared": 3}),
+        # A confident divergence fails.
+        ([7, 6, 9, 4, 5], 0.05, False, {"diverged_at": 1, "margin": 0.8}),
+        # A divergence after the near-tie is not compared; exact (epsilon 0),
+        # the same answer fails where it leaves the reference.
+        ([7, 3, 9, 4, 6], 0.05, True, {}),
+        ([7, 3, 9, 4, 6], 0.0, False, {"diverged_at": 4}),
+        # Epsilon 0 compares every token, even a near-tie.
+        ([7, 3, 9, 8, 5], 0.0, False, {"diverged_at": 3}),
+        # A short or long answer fails.
+        ([7, 3, 9], 0.0, False, {}),
+        ([7, 3, 9, 4, 5, 5], 0.0, False, {}),
+    ],
+)
+def test_judge(answer: list[int], eps: float, ok: bool, verdict_is: dict[str, Any]):
+    verdict = judge(REFERENCE, answer, eps)
+    assert verdict.ok is ok, verdict.describe()
+    assert {name: getattr(verdict, name) for name in verdict_is} == verdict_is
 
 
-def test_divergence_at_a_near_tie_passes() -> None:
-    # The runner-up at position 3, then anything: numerics, not KV.
-    verdict = judge(REFERENCE, [7, 3, 9, 8, 1], 0.05)
-    assert verdict.ok
-    assert (verdict.near_tie_at, verdict.compared) == (3, 3)
-    assert "near-tie at token 3" in verdict.describe()
-
-
-def test_confident_divergence_fails() -> None:
-    verdict = judge(REFERENCE, [7, 6, 9, 4, 5], 0.05)
-    assert not verdict.ok
-    assert (verdict.diverged_at, verdict.margin) == (1, 0.8)
-    assert "token 1" in verdict.describe()
-
-
-def test_divergence_after_the_near_tie_is_not_compared() -> None:
-    assert judge(REFERENCE, [7, 3, 9, 4, 6], 0.05).ok
-    # Exact (epsilon 0): the same answer fails where it leaves the reference.
-    verdict = judge(REFERENCE, [7, 3, 9, 4, 6], 0.0)
-    assert not verdict.ok and verdict.diverged_at == 4
-
-
-def test_epsilon_zero_compares_every_token_even_a_near_tie() -> None:
-    verdict = judge(REFERENCE, [7, 3, 9, 8, 5], 0.0)
-    assert not verdict.ok and verdict.diverged_at == 3
-
-
-def test_a_short_or_long_answer_fails() -> None:
-    assert not judge(REFERENCE, [7, 3, 9], 0.0).ok
-    assert not judge(REFERENCE, [7, 3, 9, 4, 5, 5], 0.0).ok
+def test_a_verdict_says_where() -> None:
+    assert "near-tie at token 3" in judge(REFERENCE, [7, 3, 9, 8, 1], 0.05).describe()
+    assert "token 1" in judge(REFERENCE, [7, 6, 9, 4, 5], 0.05).describe()
 
 
 def test_negative_epsilon_is_an_error() -> None:
