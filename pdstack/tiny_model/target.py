@@ -7,22 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdstack.tiny_model.params import (
-    EAGLE3_AUX_LAYERS,
-    MAX_POSITION_EMBEDDINGS,
-    RMS_NORM_EPS,
-    SEED,
-    TARGET_HIDDEN_SIZE,
-    TARGET_INITIALIZER_RANGE,
-    TARGET_INTERMEDIATE_SIZE,
-    TARGET_KV_LORA_RANK,
-    TARGET_NUM_HEADS,
-    TARGET_NUM_LAYERS,
-    TARGET_QK_NOPE_HEAD_DIM,
-    TARGET_QK_ROPE_HEAD_DIM,
-    TARGET_ROPE_PARAMETERS,
-    TARGET_V_HEAD_DIM,
-)
+from pdstack.tiny_model import params
 from pdstack.tiny_model.tokenizer import special_ids
 
 if TYPE_CHECKING:
@@ -37,34 +22,34 @@ def build_target(tokenizer: PreTrainedTokenizerFast) -> Any:
 
     config = DeepseekV2Config(
         vocab_size=len(tokenizer),
-        hidden_size=TARGET_HIDDEN_SIZE,
-        intermediate_size=TARGET_INTERMEDIATE_SIZE,
-        num_hidden_layers=TARGET_NUM_LAYERS,
-        num_attention_heads=TARGET_NUM_HEADS,
-        num_key_value_heads=TARGET_NUM_HEADS,
-        kv_lora_rank=TARGET_KV_LORA_RANK,
+        hidden_size=params.TARGET_HIDDEN_SIZE,
+        intermediate_size=params.TARGET_INTERMEDIATE_SIZE,
+        num_hidden_layers=params.TARGET_NUM_LAYERS,
+        num_attention_heads=params.TARGET_NUM_HEADS,
+        num_key_value_heads=params.TARGET_NUM_HEADS,
+        kv_lora_rank=params.TARGET_KV_LORA_RANK,
         q_lora_rank=None,
-        qk_rope_head_dim=TARGET_QK_ROPE_HEAD_DIM,
-        qk_nope_head_dim=TARGET_QK_NOPE_HEAD_DIM,
-        v_head_dim=TARGET_V_HEAD_DIM,
+        qk_rope_head_dim=params.TARGET_QK_ROPE_HEAD_DIM,
+        qk_nope_head_dim=params.TARGET_QK_NOPE_HEAD_DIM,
+        v_head_dim=params.TARGET_V_HEAD_DIM,
         # Dense MLP everywhere: vLLM's CPU MoE path is not what we test.
         # The MoE fields must still be ints; they describe no layer.
-        first_k_dense_replace=TARGET_NUM_LAYERS,
+        first_k_dense_replace=params.TARGET_NUM_LAYERS,
         n_routed_experts=4,
         n_shared_experts=1,
         num_experts_per_tok=2,
         moe_intermediate_size=64,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-        initializer_range=TARGET_INITIALIZER_RANGE,
-        rms_norm_eps=RMS_NORM_EPS,
-        rope_parameters=dict(TARGET_ROPE_PARAMETERS),
+        max_position_embeddings=params.MAX_POSITION_EMBEDDINGS,
+        initializer_range=params.TARGET_INITIALIZER_RANGE,
+        rms_norm_eps=params.RMS_NORM_EPS,
+        rope_parameters=dict(params.TARGET_ROPE_PARAMETERS),
         tie_word_embeddings=False,
         attn_implementation="eager",
         **special_ids(tokenizer),
     )
     config.architectures = ["DeepseekV2ForCausalLM"]
     config.dtype = torch.float32
-    torch.manual_seed(SEED)
+    torch.manual_seed(params.SEED)
     model = DeepseekV2ForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
         # Special tokens get a zero logit while the others are ~N(0, 5): greedy
@@ -116,7 +101,9 @@ def greedy_trace(model: Any, prompts: torch.Tensor, steps: int) -> TargetTrace:
         )
         past = out.past_key_values
         tokens.append(nxt)
-        aux.append(torch.cat([out.hidden_states[i] for i in EAGLE3_AUX_LAYERS], -1))
+        aux.append(
+            torch.cat([out.hidden_states[i] for i in params.EAGLE3_AUX_LAYERS], -1)
+        )
         greedy.append(out.logits.argmax(-1))
         nxt = greedy[-1][:, -1:]
     return TargetTrace(torch.cat(tokens, 1), torch.cat(aux, 1), torch.cat(greedy, 1))
