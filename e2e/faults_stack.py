@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict
 from unittest import mock
 
 import pytest
@@ -39,7 +38,7 @@ KEEP_ENV = "PD_FAULTS_KEEP"
 def fault_ports(base: config.Ports, offsets: Mapping[str, int]) -> dict[str, str]:
     """The fault stack's port variables (configs/ports.env's names): the
     session twin's ports, moved."""
-    names = {f"{field.upper()}_PORT": port for field, port in asdict(base).items()}
+    names = {v: getattr(base, f) for f, v in config.port_variables().items()}
     return {name: str(port + offsets.get(name, 0)) for name, port in names.items()}
 
 
@@ -93,7 +92,6 @@ def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
         bootstrap=f"http://{twin.HOST}:{urls.bootstrap_port}",
         bounds=bounds,
         role_env=role_env,
-        router_extra=router_extra,
     )
     try:
         stack.idle = idle_state(stack)

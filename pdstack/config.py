@@ -8,6 +8,7 @@ differences are ``configs/targets/<target>.yaml``, kept in one visible place.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -53,6 +54,12 @@ def read_env_file(path: Path) -> dict[str, str]:
         return {key: value or "" for key, value in dotenv_values(stream=stream).items()}
 
 
+def port_variables() -> dict[str, str]:
+    """Each port's variable in configs/ports.env: ``router_metrics`` is
+    ROUTER_METRICS_PORT."""
+    return {f.name: f"{f.name.upper()}_PORT" for f in dataclasses.fields(Ports)}
+
+
 def ports(env: Mapping[str, str] | None = None) -> Ports:
     """Ports from configs/ports.env, each overridable by the same-named variable."""
     env = os.environ if env is None else env
@@ -61,13 +68,7 @@ def ports(env: Mapping[str, str] | None = None) -> Ports:
         for key, value in read_env_file(CONFIGS / "ports.env").items()
     }
     try:
-        return Ports(
-            router=int(values["ROUTER_PORT"]),
-            prefill=int(values["PREFILL_PORT"]),
-            decode=int(values["DECODE_PORT"]),
-            bootstrap=int(values["BOOTSTRAP_PORT"]),
-            router_metrics=int(values["ROUTER_METRICS_PORT"]),
-        )
+        return Ports(**{f: int(values[v]) for f, v in port_variables().items()})
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"configs/ports.env: bad or missing port: {exc}") from exc
 
@@ -162,36 +163,25 @@ def render(flags: Mapping[str, Any], substitutions: Mapping[str, str]) -> list[s
     return argv
 
 
+def _extra(key: str, kind: type) -> tuple[str, tuple[str, ...], type]:
+    """An ENV_OVERRIDES entry for a key of the connector's extra config."""
+    return "kv-transfer-config", ("kv_connector_extra_config", key), kind
+
+
 # Site settings that cannot live in configs/ (they differ per host or per
 # replica), set in .env by compose or by Kubernetes: environment variable ->
 # (flag, path of keys inside its JSON value (empty: the flag itself), type).
 ENV_OVERRIDES: dict[str, tuple[str, tuple[str, ...], type]] = {
-    "PD_MOONCAKE_PROTOCOL": (
-        "kv-transfer-config",
-        ("kv_connector_extra_config", "mooncake_protocol"),
-        str,
-    ),
-    "PD_MOONCAKE_DEVICE": (
-        "kv-transfer-config",
-        ("kv_connector_extra_config", "device_name"),
-        str,
-    ),
+    "PD_MOONCAKE_PROTOCOL": _extra("mooncake_protocol", str),
+    "PD_MOONCAKE_DEVICE": _extra("device_name", str),
     "PD_GPU_MEMORY_UTILIZATION": ("gpu-memory-utilization", (), float),
     # The opt-in KV checksum, on in configs/vllm: 0 runs a stack without it
     # (both roles must agree: set it for prefill and decode alike).
-    "PD_MOONCAKE_KV_CHECKSUM": (
-        "kv-transfer-config",
-        ("kv_connector_extra_config", "kv_checksum"),
-        bool,
-    ),
+    "PD_MOONCAKE_KV_CHECKSUM": _extra("kv_checksum", bool),
     # MiB of the KV staging buffer (configs/vllm); 0 sends one descriptor per
     # block run, as upstream does. Each role's own: decode offers, prefill
     # accepts.
-    "PD_MOONCAKE_KV_STAGING_MIB": (
-        "kv-transfer-config",
-        ("kv_connector_extra_config", "kv_staging_mib"),
-        int,
-    ),
+    "PD_MOONCAKE_KV_STAGING_MIB": _extra("kv_staging_mib", int),
     # One stable engine id per prefill replica (configs/vllm/prefill.yaml:
     # one id for every replica would mix their side channels); Kubernetes sets
     # it to the StatefulSet pod name, which survives a restart.
