@@ -299,18 +299,11 @@ def run(
         )
         for role in roles:
             flags = {**config.vllm_flags(role, profile, "gpu"), **(overrides or {})}
-            for gpu, capability in gpus.items():
-                checks.append(
-                    check(
-                        profile,
-                        role,
-                        gpu,
-                        capability,
-                        substituted(flags, subs),
-                        model_config,
-                        draft_config,
-                    )
-                )
+            rendered = substituted(flags, subs)
+            checks += [
+                check(profile, role, gpu, cap, rendered, model_config, draft_config)
+                for gpu, cap in gpus.items()
+            ]
     return checks
 
 
