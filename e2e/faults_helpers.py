@@ -23,15 +23,15 @@ import pytest
 import requests
 import yaml
 
-from conftest import E2E_RUN_DIR, Stack
+from conftest import E2E_RUN_DIR, Stack, tagged
 from pdstack import config, hosts, wait
 from pdstack import metrics as m
 from pdstack.client import greedy
 
 FAULTS_CONFIG = config.CONFIGS / "faults.yaml"
 RUN_DIR = E2E_RUN_DIR.parent / "faults"
+progress = tagged("faults twin")
 KV_FETCH = "vllm:num_requests_kv_fetch_by_stage"
-RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 GENERATED = "vllm:generation_tokens_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
@@ -66,12 +66,7 @@ class FaultStack(Stack):
     bootstrap: str = ""
     bounds: dict[str, float] = field(default_factory=dict)
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
-    router_extra: list[str] = field(default_factory=list)
     idle: dict[str, float] = field(default_factory=dict)
-
-
-def progress(line: str) -> None:
-    print(f"[faults twin] {line}", flush=True)
 
 
 # --- the results table ----------------------------------------------------------
@@ -234,7 +229,7 @@ def server_state(url: str, role: str, label: str) -> dict[str, float]:
     snapshot = m.scrape(url)
     now = {
         f"{label}_kv_usage": snapshot.total(m.KV_USAGE),
-        f"{label}_requests": snapshot.total(RUNNING) + snapshot.total(WAITING),
+        f"{label}_requests": snapshot.total(m.RUNNING) + snapshot.total(WAITING),
     }
     if role == "decode":
         now[f"{label}_kv_fetch"] = snapshot.total(KV_FETCH)

@@ -145,20 +145,19 @@ def start_role(
     run_dir: Path = RUN_DIR,
     profile: str = "tiny",
     env: dict[str, str] | None = None,
-    router_extra: list[str] | None = None,
     progress=print,
 ) -> float:
     """Start one role of a recorded twin again (same ports, same flags) and
     wait until it answers /health; returns the seconds that took.
 
-    ``env`` adds environment (e.g. the role's ``role_env`` given to ``up``);
-    ``router_extra`` adds vllm-router flags. The log is appended to.
+    ``env`` adds environment (e.g. the role's ``role_env`` given to ``up``).
+    The log is appended to.
     """
     _known(role)
     procs = processes(run_dir, progress)
     if role in procs.running():
         raise wait.WaitError(f"{role} is already running (state in {run_dir})")
-    deadline = _launch(procs, role, profile, urls(), env, router_extra, again=True)
+    deadline = _launch(procs, role, profile, urls(), env, None, again=True)
     return procs.wait_healthy(role, deadline)
 
 
