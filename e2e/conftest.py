@@ -19,7 +19,7 @@ up to the first near-tie elsewhere (--near-tie-epsilon, 0 for exact).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,14 @@ CORPUS = (
     "token at a time. Operators need proof that the cache really crossed and "
     "arrived intact, so every request is compared with a colocated reference. "
 )
+
+
+def tagged(tag: str) -> Callable[[str], None]:
+    """A launcher's progress: each line printed after ``[tag]``, flushed."""
+    return lambda line: print(f"[{tag}] {line}", flush=True)
+
+
+_progress = tagged("twin")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -218,10 +226,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         + (": " + "; ".join(f"{lbl} at token {v.near_tie_at}" for lbl, v in ties))
         * bool(ties)
     )
-
-
-def _progress(line: str) -> None:
-    print(f"[twin] {line}", flush=True)
 
 
 @pytest.hookimpl(hookwrapper=True)

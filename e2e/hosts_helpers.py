@@ -11,13 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import E2E_RUN_DIR, Stack
+from conftest import E2E_RUN_DIR, Stack, tagged
 from faults_helpers import Outcome, greedy, post, server_state
 from faults_helpers import leaks as off_idle
 from pdstack import hosts, wait
 from pdstack import metrics as m
 
 RUN_DIR = E2E_RUN_DIR.parent / "hosts"
+progress = tagged("hosts twin")
 
 
 @dataclass
@@ -49,10 +50,6 @@ class Hosts:
         for name in self.all_servers():
             now |= server_state(self.twin.url(name), hosts.role_of(name), name)
         return now
-
-
-def progress(line: str) -> None:
-    print(f"[hosts twin] {line}", flush=True)
 
 
 def wait_idle(h: Hosts, deadline_s: float | None = None) -> dict[str, float]:

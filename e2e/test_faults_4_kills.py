@@ -18,7 +18,6 @@ from unittest import mock
 from faults_helpers import (
     PROMPT_TOKENS,
     RUN_DIR,
-    RUNNING,
     WAITING,
     FaultStack,
     Outcome,
@@ -232,5 +231,5 @@ def _prefill_at_work(url: str, before: m.Snapshot) -> bool:
     (transfers, decode).
     """
     snapshot = m.scrape(url)
-    busy = snapshot.total(RUNNING) + snapshot.total(WAITING)
+    busy = snapshot.total(m.RUNNING) + snapshot.total(WAITING)
     return busy >= 1 or (snapshot - before).total(PROMPT_TOKENS) > 0

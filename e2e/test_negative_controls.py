@@ -21,10 +21,6 @@ from pdstack import client, config, kv_layout, oracle
 from pdstack import metrics as m
 
 MAX_TOKENS = 16
-# pd_mooncake.checksum's series on decode (labels region, layout).
-CHECKSUM_ENABLED = m.CHECKSUM_ENABLED
-CHECKSUM_MATCH = m.CHECKSUM_MATCH
-CHECKSUM_MISMATCH = m.CHECKSUM_MISMATCH
 # pd_mooncake.faults
 CORRUPT_RECEIVED = "corrupt_received_kv"
 CORRUPT_CHECKED = "corrupt_checked_kv"
@@ -58,7 +54,7 @@ def checksum_on(stack: Stack) -> bool:
     """Whether decode verifies every transfer (both roles must agree, or no
     transfer would succeed); the twin's configuration has it on."""
     on = {
-        name: m.scrape(getattr(stack, name)).total(CHECKSUM_ENABLED) == 1
+        name: m.scrape(getattr(stack, name)).total(m.CHECKSUM_ENABLED) == 1
         for name in ("prefill", "decode")
     }
     print(f"kv_checksum: {on}")
@@ -133,7 +129,9 @@ def corrupted(
         decode = m.settle(
             stack.decode,
             decode0,
-            lambda d: d.total(CHECKSUM_MATCH) + d.total(CHECKSUM_MISMATCH) >= verdicts,
+            lambda d: (
+                d.total(m.CHECKSUM_MATCH) + d.total(m.CHECKSUM_MISMATCH) >= verdicts
+            ),
             deadline_s=20.0 if verdicts else 1.0,
         )
         print(f"prefill transfers {prefill.total(m.TRANSFERS)}")
@@ -171,7 +169,7 @@ def test_checksum_keeps_corrupted_kv_out_of_every_answer(
     decode counts a mismatch in every region of each; with it off, the
     answers are wrong and every metric says success."""
     expected, got, prefill, decode, regions = corrupted(CORRUPT_RECEIVED, 5100)
-    mismatch = decode.by_label(CHECKSUM_MISMATCH, "region")
+    mismatch = decode.by_label(m.CHECKSUM_MISMATCH, "region")
     outcomes = [
         g if isinstance(g, str) else oracle.judge(e, g, stack.epsilon).describe()
         for e, g in zip(expected, got, strict=True)
@@ -192,9 +190,9 @@ def test_checksum_keeps_corrupted_kv_out_of_every_answer(
     transfers = prefill.total(m.TRANSFERS)
     assert transfers == len(got), f"{transfers} transfers for {len(got)} requests"
     assert sorted(mismatch.values()) == [transfers] * regions, mismatch
-    layouts = decode.by_label(CHECKSUM_MISMATCH, "layout")
+    layouts = decode.by_label(m.CHECKSUM_MISMATCH, "layout")
     assert set(layouts) == {r.layout for r in layout.regions}, layouts
-    assert decode.total(CHECKSUM_MATCH) == 0
+    assert decode.total(m.CHECKSUM_MATCH) == 0
     assert decode.total(m.FAILED_RECVS) == transfers
     assert prefill.total(m.FAILED_TRANSFERS) == 0
 
@@ -207,9 +205,9 @@ def test_corruption_after_the_checksum_fails_the_correctness_check(
     says success. The correctness check is what catches it."""
     expected, got, prefill, decode, regions = corrupted(CORRUPT_CHECKED, 5200)
     assert_wrong_with_success_metrics(stack, expected, got, prefill)
-    assert decode.total(CHECKSUM_MISMATCH) == 0
+    assert decode.total(m.CHECKSUM_MISMATCH) == 0
     if checksum_on:
-        assert decode.total(CHECKSUM_MATCH) == 4 * regions
+        assert decode.total(m.CHECKSUM_MATCH) == 4 * regions
 
 
 def test_switch_off_restores_exact_output(
@@ -227,9 +225,9 @@ def test_switch_off_restores_exact_output(
     if checksum_on:
         regions = sum(r.layers for r in layout.regions)
         delta = m.settle(
-            stack.decode, before, lambda d: d.total(CHECKSUM_MATCH) >= regions
+            stack.decode, before, lambda d: d.total(m.CHECKSUM_MATCH) >= regions
         )
         assert (
-            sorted(delta.by_label(CHECKSUM_MATCH, "region").values()) == [1] * regions
+            sorted(delta.by_label(m.CHECKSUM_MATCH, "region").values()) == [1] * regions
         )
-        assert delta.total(CHECKSUM_MISMATCH) == 0
+        assert delta.total(m.CHECKSUM_MISMATCH) == 0
