@@ -3,6 +3,7 @@ stack given by URLs (e2e/test_dashboards.py runs them on a real Prometheus)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -33,23 +34,18 @@ def test_rule_tests_fail_when_a_rule_watches_a_misspelt_metric(tmp_path: Path) -
 
 
 def test_scrape_config_points_each_job_at_the_given_stack() -> None:
-    config = prometheus.scrape_config(
-        {"prefill": "127.0.0.1:1", "decode": "127.0.0.1:2", "router": "127.0.0.1:3"},
-        "1s",
-    )
+    stack = {"prefill": "127.0.0.1:1", "decode": "127.0.0.1:2", "router": "127.0.0.1:3"}
+    config = prometheus.scrape_config(stack, "1s")
     jobs = {j["job_name"]: j["static_configs"] for j in config["scrape_configs"]}
+    tcp = {"transport": "tcp"}
     assert jobs == {
-        "prefill": [{"targets": ["127.0.0.1:1"], "labels": {"transport": "tcp"}}],
-        "decode": [{"targets": ["127.0.0.1:2"], "labels": {"transport": "tcp"}}],
-        "router": [{"targets": ["127.0.0.1:3"], "labels": {"transport": "tcp"}}],
+        job: [{"targets": [at], "labels": tcp}] for job, at in stack.items()
     }
     assert config["rule_files"] == [str(RULES)]
     assert config["global"]["scrape_interval"] == "1s"
 
 
 def test_every_dashboard_panel_has_a_query() -> None:
-    import json
-
     queries = prometheus.panel_queries(json.loads(prometheus.DASHBOARD.read_text()))
     assert len(queries) >= 15
     assert all("$__rate_interval" not in q for _, q in queries)

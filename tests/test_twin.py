@@ -144,8 +144,6 @@ def test_a_log_tail_leaves_out_health_and_metrics_polls(tmp_path: Path) -> None:
 
 
 def test_poll_returns_the_first_value_done_and_reports_the_last_on_timeout() -> None:
-    from pdstack import wait
-
     values = iter(range(100))
     assert wait.poll(lambda: next(values), lambda v: v >= 3, 5.0, "three") == 3
     with pytest.raises(wait.WaitError, match=r"waiting for never.*last seen: 'x'"):
