@@ -23,25 +23,16 @@ package for its constants is cheap.
 
 # The submodules are part of the interface (tests reach tiny_model.cache etc.).
 from pdstack.tiny_model import cache, draft, eagle3, fit, params, target, tokenizer
-from pdstack.tiny_model.cache import (
-    Probe,
-    TinyModels,
-    default_cache_dir,
-    ensure_models,
-    load_probes,
-)
+from pdstack.tiny_model.cache import Probe, TinyModels, ensure_models, load_probes
 from pdstack.tiny_model.draft import DraftCheckpointError, verify_draft_checkpoint
-from pdstack.tiny_model.params import DTYPE, GENERATOR_VERSION, SEED, generator_stamp
+from pdstack.tiny_model.params import DTYPE, generator_stamp
 
 __all__ = [
     "DTYPE",
-    "GENERATOR_VERSION",
-    "SEED",
     "DraftCheckpointError",
     "Probe",
     "TinyModels",
     "cache",
-    "default_cache_dir",
     "draft",
     "eagle3",
     "ensure_models",
