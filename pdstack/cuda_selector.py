@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import sys
 import types
@@ -52,7 +53,9 @@ class Layer:
     batch_invariant_pick: str | None = None
 
 
-def _load() -> types.SimpleNamespace:
+@functools.cache
+def vllm() -> types.SimpleNamespace:
+    """vLLM's pieces (imported once: about 5 s)."""
     if importlib.util.find_spec("vllm._C_stable_libtorch") is None:
         # CPU builds lack the CUDA custom-op library vllm.platforms.cuda imports
         # for its side effect (op registration); selection never calls an op.
@@ -82,18 +85,6 @@ def _load() -> types.SimpleNamespace:
         selector_config=AttentionSelectorConfig,
         common_block_size=select_common_block_size,
     )
-
-
-_VLLM: types.SimpleNamespace | None = None
-_ASKED: dict[tuple[Any, ...], tuple[Layer, dict[str, Any]]] = {}
-
-
-def vllm() -> types.SimpleNamespace:
-    """vLLM's pieces (imported once: about 5 s)."""
-    global _VLLM
-    if _VLLM is None:
-        _VLLM = _load()
-    return _VLLM
 
 
 @contextlib.contextmanager
@@ -138,15 +129,13 @@ def select(
     (the pick is the first such, in vLLM's priority order). Rejected: every
     backend that could be asked gave a configuration reason. Unknown: none
     could be asked."""
-    key = (capability, selector, num_heads)
-    if key not in _ASKED:
-        _ASKED[key] = _select(capability, selector, num_heads)
     # Cached: vLLM's imports are not idempotent on a CPU build (a second
     # import of a half-imported module can succeed), so ask once.
-    layer, classes = _ASKED[key]
+    layer, classes = _select(capability, selector, num_heads)
     return copy.deepcopy(layer), classes
 
 
+@functools.cache
 def _select(
     capability: tuple[int, int], selector: Any, num_heads: int
 ) -> tuple[Layer, dict[str, Any]]:
