@@ -97,20 +97,18 @@ class Prometheus:
         """The sum of a query's samples (0 when it has none)."""
         return sum(float(r["value"][1]) for r in self.query(expr))
 
+    def _data(self, path: str) -> dict[str, Any]:
+        return requests.get(f"{self.url}/api/v1/{path}", timeout=10).json()["data"]
+
     def targets_up(self) -> dict[str, bool]:
-        active = requests.get(f"{self.url}/api/v1/targets", timeout=10).json()
-        return {
-            t["labels"]["job"]: t["health"] == "up"
-            for t in active["data"]["activeTargets"]
-        }
+        active = self._data("targets")["activeTargets"]
+        return {t["labels"]["job"]: t["health"] == "up" for t in active}
 
     def rule_names(self) -> set[str]:
-        body = requests.get(f"{self.url}/api/v1/rules", timeout=10).json()
-        return {r["name"] for g in body["data"]["groups"] for r in g["rules"]}
+        return {r["name"] for g in self._data("rules")["groups"] for r in g["rules"]}
 
     def alerts(self) -> list[dict[str, Any]]:
-        body = requests.get(f"{self.url}/api/v1/alerts", timeout=10).json()
-        return body["data"]["alerts"]
+        return self._data("alerts")["alerts"]
 
 
 @contextmanager

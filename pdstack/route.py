@@ -30,7 +30,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -130,19 +130,13 @@ def auth_proxy_app(key: str, upstream: str) -> Any:
 
     sessions: list[ClientSession] = []
 
-    async def on_startup(app: web.Application) -> None:
+    async def session(app: web.Application) -> AsyncIterator[None]:
         # No total timeout: vllm-router's --request-timeout-secs bounds
         # requests; a dead router fails the connect at once.
-        sessions.append(
-            ClientSession(
-                timeout=ClientTimeout(total=None, sock_connect=10),
-                auto_decompress=False,
-            )
-        )
-
-    async def on_cleanup(app: web.Application) -> None:
-        for session in sessions:
-            await session.close()
+        timeout = ClientTimeout(total=None, sock_connect=10)
+        sessions.append(ClientSession(timeout=timeout, auto_decompress=False))
+        yield
+        await sessions[0].close()
 
     async def forward(request: web.Request) -> web.StreamResponse:
         open_path = request.path in OPEN_PATHS and request.method in ("GET", "HEAD")
@@ -189,8 +183,7 @@ def auth_proxy_app(key: str, upstream: str) -> Any:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", forward)
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
+    app.cleanup_ctx.append(session)
     return app
 
 

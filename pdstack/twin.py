@@ -78,11 +78,8 @@ def up(
     # What a crashed twin left behind (an engine core whose server died).
     procs.stop()
     u = urls()
-    for name, url in (
-        ("router", u.router),
-        ("prefill", u.prefill),
-        ("decode", u.decode),
-    ):
+    for name in ("router", *config.ROLES):
+        url = getattr(u, name)
         if wait.healthy(url):
             raise wait.WaitError(
                 f"port of {name} ({url}) is already in use by another server"
