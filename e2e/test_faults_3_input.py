@@ -91,41 +91,35 @@ TOO_LONG = 8193  # max-model-len (configs/profiles/tiny.yaml) + 1
 
 def bad_inputs(
     prompt_of: Callable[..., list[int]],
-) -> dict[str, tuple[dict[str, Any] | None, str]]:
-    """Each kind: (JSON body, or None and the raw text sent instead).
+) -> dict[str, dict[str, Any] | str]:
+    """Each kind: its JSON body, or the raw text sent instead (a string).
     ``prompt_of`` is FaultStack.prompt."""
     prompt = prompt_of(20, salt=3200)
     base = greedy(prompt, 8)
     return {
-        "malformed JSON": (None, '{"model": "pd-model", "prompt": [1, 2'),
-        "JSON not an object": (None, "[1, 2, 3]"),
-        "unknown model": ({**base, "model": "no-such-model"}, ""),
-        "prompt over max-model-len": (
-            {**base, "prompt": prompt_of(TOO_LONG, salt=3201)},
-            "",
-        ),
-        "max_tokens 0": ({**base, "max_tokens": 0}, ""),
-        "max_tokens -1": ({**base, "max_tokens": -1}, ""),
-        "max_tokens over the context": ({**base, "max_tokens": 10**9}, ""),
-        "min_tokens over max_tokens": ({**base, "max_tokens": 3, "min_tokens": 5}, ""),
+        "malformed JSON": '{"model": "pd-model", "prompt": [1, 2',
+        "JSON not an object": "[1, 2, 3]",
+        "unknown model": {**base, "model": "no-such-model"},
+        "prompt over max-model-len": {**base, "prompt": prompt_of(TOO_LONG, salt=3201)},
+        "max_tokens 0": {**base, "max_tokens": 0},
+        "max_tokens -1": {**base, "max_tokens": -1},
+        "max_tokens over the context": {**base, "max_tokens": 10**9},
+        "min_tokens over max_tokens": {**base, "max_tokens": 3, "min_tokens": 5},
         # Prefill serves four engine requests (sibling transfer ids); decode
         # refuses the API request, and its notice must release all four.
-        "min_tokens over max_tokens, n 2 over 2 prompts": (
-            {
-                **base,
-                "prompt": [prompt, prompt_of(40, salt=3202)],
-                "n": 2,
-                "temperature": 1.0,
-                "max_tokens": 3,
-                "min_tokens": 5,
-            },
-            "",
-        ),
-        "n 1000000": ({**base, "n": 1_000_000, "temperature": 1.0}, ""),
-        "n 2 greedy": ({**base, "n": 2}, ""),
-        "temperature -1": ({**base, "temperature": -1}, ""),
-        "empty prompt": ({**base, "prompt": ""}, ""),
-        "token id out of vocabulary": ({**base, "prompt": [*prompt, 10**7]}, ""),
+        "min_tokens over max_tokens, n 2 over 2 prompts": {
+            **base,
+            "prompt": [prompt, prompt_of(40, salt=3202)],
+            "n": 2,
+            "temperature": 1.0,
+            "max_tokens": 3,
+            "min_tokens": 5,
+        },
+        "n 1000000": {**base, "n": 1_000_000, "temperature": 1.0},
+        "n 2 greedy": {**base, "n": 2},
+        "temperature -1": {**base, "temperature": -1},
+        "empty prompt": {**base, "prompt": ""},
+        "token id out of vocabulary": {**base, "prompt": [*prompt, 10**7]},
     }
 
 
@@ -137,9 +131,12 @@ BAD_INPUT_NAMES = list(bad_inputs(lambda length, salt: []))
 def test_bad_input_gets_a_clear_4xx_and_leaves_nothing(
     faults: FaultStack, bad_input: str
 ) -> None:
-    body, raw = bad_inputs(faults.prompt)[bad_input]
+    bad = bad_inputs(faults.prompt)[bad_input]
     before = counters(faults)
-    got = post(faults.router, body, raw=raw or None, timeout=60)
+    if isinstance(bad, str):
+        got = post(faults.router, raw=bad, timeout=60)
+    else:
+        got = post(faults.router, bad, timeout=60)
     # Freed by decode's rejection notice (or never allocated), not by
     # prefill's abort timeout: well under it.
     waited, found = wait_idle(faults, faults.bounds["idle"])

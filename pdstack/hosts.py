@@ -71,10 +71,7 @@ class HostsTwin:
         return [n for n in self.names if role_of(n) == role]
 
     def port(self, name: str) -> int:
-        role = role_of(name)
-        if role == ROUTER:
-            return self.ports.router
-        return self.ports.prefill if role == "prefill" else self.ports.decode
+        return getattr(self.ports, role_of(name))  # Ports: router, prefill, decode
 
     def url(self, name: str) -> str:
         """``name``'s base URL from this process (its current address)."""
