@@ -7,54 +7,50 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from bench import levels, report, settings
 from bench.hosts_link import HostsLinkError
+
+# The commands on the bench's settings, and what each does.
+COMMANDS = {
+    "run": "the whole benchmark",
+    "transfer": "transfer-engine micro-benchmark only",
+    "hosts-link": "the transfer engine between two hosts (network namespaces, "
+    "root), unshaped and shaped, against a single TCP stream",
+    "checksum": "the KV checksum's cost only: P/D with it on and off, the digest alone",
+    "kv-path": "the KV path only: staged and direct sends, fresh and fragmented, "
+    "on the bench's own P/D stack; then the engine alone",
+}
+# Each command's own options: (command, flag, help, argparse's keywords).
+OPTIONS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
+    ("transfer", "--json", "write the samples here", {"type": Path}),
+    ("transfer", "--defaults-only", "skip the tuned series", {"action": "store_true"}),
+    ("hosts-link", "--json", "write the results here", {"type": Path}),
+    ("hosts-link", "--rates", "link rates, tc syntax; `unshaped` for none",
+     {"default": "unshaped,1gbit,5gbit"}),
+    ("checksum", "--digest-only", "only the digest, in-process",
+     {"action": "store_true"}),
+    ("checksum", "--json", "--digest-only: write it here", {"type": Path}),
+    ("checksum", "--layout",
+     "--digest-only: a run's kv_layout.json (default: the twin's)", {"type": Path}),
+)  # fmt: skip
+
+
+def show(line: str) -> None:
+    print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    settings.add_arguments(sub.add_parser("run", help="the whole benchmark"))
-    transfer = sub.add_parser("transfer", help="transfer-engine micro-benchmark only")
-    settings.add_arguments(transfer)
-    transfer.add_argument("--json", type=Path, help="write the samples here")
-    transfer.add_argument(
-        "--defaults-only", action="store_true", help="skip the tuned series"
-    )
-    hosts = sub.add_parser(
-        "hosts-link",
-        help="the transfer engine between two hosts (network namespaces, root), "
-        "unshaped and shaped, against a single TCP stream",
-    )
-    settings.add_arguments(hosts)
-    hosts.add_argument("--json", type=Path, help="write the results here")
-    hosts.add_argument(
-        "--rates",
-        default="unshaped,1gbit,5gbit",
-        help="link rates, tc syntax; `unshaped` for none",
-    )
-    check = sub.add_parser(
-        "checksum",
-        help="the KV checksum's cost only: P/D with it on and off, the digest alone",
-    )
-    settings.add_arguments(check)
-    check.add_argument(
-        "--digest-only", action="store_true", help="only the digest, in-process"
-    )
-    check.add_argument("--json", type=Path, help="--digest-only: write it here")
-    check.add_argument(
-        "--layout",
-        type=Path,
-        help="--digest-only: a run's kv_layout.json (default: the twin's)",
-    )
-    settings.add_arguments(
-        sub.add_parser(
-            "kv-path",
-            help="the KV path only: staged and direct sends, fresh and "
-            "fragmented, on the bench's own P/D stack; then the engine alone",
-        )
-    )
+    commands = {
+        name: sub.add_parser(name, help=text) for name, text in COMMANDS.items()
+    }
+    for each in commands.values():
+        settings.add_arguments(each)
+    for command, flag, text, more in OPTIONS:
+        commands[command].add_argument(flag, help=text, **more)
     rebuild = sub.add_parser("report", help="rebuild a run's report from its JSON")
     rebuild.add_argument("run_dir", type=Path)
     opts = parser.parse_args(argv)
@@ -66,9 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         chosen = settings.from_args(opts)
         if opts.command == "transfer":
             from bench import transfer_engine
-
-            def show(line: str) -> None:
-                print(line, flush=True)
 
             samples = transfer_engine.run(
                 chosen.transfer_sizes, chosen.transfer_repeats, progress=show
@@ -90,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench import run
 
         chosen.run_dir.mkdir(parents=True, exist_ok=True)
-        commands = {"checksum": run.checksum_only, "kv-path": run.kv_path_only}
-        commands.get(opts.command, run.run)(chosen)
+        steps = {"checksum": run.checksum_only, "kv-path": run.kv_path_only}
+        steps.get(opts.command, run.run)(chosen)
         return 0
     except (settings.SettingsError, levels.ReportError, HostsLinkError) as exc:
         print(f"bench: {exc}", file=sys.stderr)
@@ -103,9 +96,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _hosts_link(chosen: settings.Settings, rates: str, out: Path | None) -> int:
     from bench import hosts_link
-
-    def show(line: str) -> None:
-        print(line, flush=True)
 
     results = hosts_link.measure(
         chosen.hosts_link_size,

@@ -24,7 +24,7 @@ from typing import Any
 
 from bench import loopback
 from bench import transfer_engine as te
-from bench.levels import fmt_pct, table
+from bench.levels import fmt_gbps, fmt_pct, table
 from pdstack import netns
 
 TAG = "bl"  # its own /24; never "mh" (the multi-host twin) or "ut" (tests)
@@ -194,12 +194,10 @@ def limit(r: Rate) -> str:
 
 
 def markdown_table(rates: Sequence[Rate]) -> list[str]:
-    def gbps(value: float | None) -> str:
-        return "n/a" if value is None else f"{value / 1e9:.3f}"
-
     def cells(r: Rate) -> list[str]:
+        bps = (r.link_bps, r.engine_bps, r.socket_bps)
         return [
-            r.label, gbps(r.link_bps), gbps(r.engine_bps), gbps(r.socket_bps),
+            r.label, *(fmt_gbps(value, 3) for value in bps),
             fmt_pct(r.engine_vs_link), fmt_pct(r.socket_vs_link),
             fmt_pct(r.engine_vs_socket), limit(r),
         ]  # fmt: skip

@@ -85,12 +85,14 @@ class Pair:
     colocated: LevelResult | None
     kv_counters: dict[str, float] | None
 
+    def value(self, target: str, key: str) -> float | None:
+        """``key`` of the level of ``target`` (one of TARGETS), if it has one."""
+        level = getattr(self, target)
+        return level.values.get(key) if level else None
+
     def ratios(self) -> dict[str, float | None]:
         return {
-            key: ratio(
-                self.pd.values.get(key) if self.pd else None,
-                self.colocated.values.get(key) if self.colocated else None,
-            )
+            key: ratio(self.value("pd", key), self.value("colocated", key))
             for key, _ in METRICS
         }
 
@@ -119,6 +121,10 @@ def fmt(value: float | None, digits: int = 1) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     return f"{value:,.{digits}f}"
+
+
+def fmt_gbps(bps: float | None, digits: int = 2) -> str:
+    return "n/a" if bps is None else f"{bps / 1e9:.{digits}f}"
 
 
 def fmt_ratio(value: float | None) -> str:

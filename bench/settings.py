@@ -10,7 +10,7 @@ import argparse
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +57,8 @@ def human_bytes(n: float) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             value = n / scale
-            return (
-                f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-            )
+            digits = 0 if value == int(value) else 1
+            return f"{value:.{digits}f} {unit}"
     return f"{n:.0f} B"
 
 
@@ -126,122 +125,79 @@ def _env(env: Mapping[str, str], name: str, default: str) -> str:
     return value if value.strip() else default
 
 
+# A 0/1 option's type.
+SWITCH = (0, 1)
+URL_NAMES = ("router", "prefill", "decode", "colocated")
+# (flag, variable giving its default, default, type, help): a type of None is
+# a string (from_args parses it), SWITCH an int of 0 or 1; a number's default
+# is converted when the parser is built.
+OPTIONS: tuple[tuple[str, str, str, Any, str | None], ...] = (
+    ("--profile", "PD_PROFILE", "tiny", None, None),
+    ("--input-lens", "BENCH_INPUT_LENS", "128,1024,4096", None, None),
+    ("--output-len", "BENCH_OUTPUT_LEN", "64", int, None),
+    ("--concurrency", "BENCH_CONCURRENCY", "1,4,16", None, None),
+    ("--min-prompts", "BENCH_MIN_PROMPTS", "2", int,
+     "prompts per level: max(this, concurrency)"),
+    ("--max-batch-tokens", "BENCH_MAX_BATCH_TOKENS", "16384", int,
+     "skip levels whose input_len x concurrency exceeds this"),
+    ("--level-timeout", "BENCH_LEVEL_TIMEOUT_S", "600", float,
+     "seconds one `vllm bench serve` level may take"),
+    ("--sweep-budget", "BENCH_SWEEP_BUDGET_S", "900", float,
+     "seconds for the whole vllm bench serve sweep; later levels skipped"),
+    *((f"--{name}-url", f"BENCH_{name.upper()}_URL", "", None, None)
+      for name in URL_NAMES),
+    ("--colocated-port", "BENCH_COLOCATED_PORT", "8300", int, None),
+    ("--colocated-threads", "BENCH_COLOCATED_THREADS", "2", int,
+     "OMP threads of the colocated server (P/D: two 1-thread servers)"),
+    ("--out", "BENCH_OUT", str(ROOT / "run" / "bench"), None, None),
+    ("--run-dir", "PD_RUN_DIR", str(ROOT / "run" / "bench-stack"), None,
+     "logs and pids of the servers the bench starts"),
+    ("--overhead-requests", "BENCH_OVERHEAD_REQUESTS", "60", int, None),
+    ("--transfer-sizes", "BENCH_TRANSFER_SIZES", DEFAULT_TRANSFER_SIZES, None, None),
+    ("--transfer-repeats", "BENCH_TRANSFER_REPEATS", "5", int, None),
+    ("--hosts-link-size", "BENCH_HOSTS_LINK_SIZE", "64M", None,
+     "bytes per transfer of the engine between hosts"),
+    ("--hosts-link-repeats", "BENCH_HOSTS_LINK_REPEATS", "3", int, None),
+    ("--cold-start", "BENCH_COLD_START", "1", SWITCH,
+     "also time a start with an empty model cache"),
+    ("--kv-checksum", "BENCH_KV_CHECKSUM", "1", SWITCH,
+     "also measure the KV checksum's cost: the P/D stack restarted "
+     "with PD_MOONCAKE_KV_CHECKSUM=0, and the digest's own speed"),
+    ("--checksum-requests", "BENCH_CHECKSUM_REQUESTS", "5", int,
+     "requests per prompt length, checksum on and off (one at a time)"),
+    ("--kv-path", "BENCH_KV_PATH", "1", SWITCH,
+     "also measure the KV path: staged and (after a restart with "
+     "PD_MOONCAKE_KV_STAGING_MIB=0) direct sends, fresh and fragmented"),
+    ("--kv-path-requests", "BENCH_KV_PATH_REQUESTS", "5", int,
+     "KV path: requests per prompt length, state and pass (one at a time)"),
+    ("--tokenizer", "BENCH_TOKENIZER", "", None,
+     "default: the profile's model (the generated one for tiny)"),
+    ("--model", "BENCH_MODEL", "pd-model", None, "served name"),
+    ("--seed", "BENCH_SEED", "0", int, None),
+)  # fmt: skip
+# Options that must be positive; the repeats are raised to one instead.
+POSITIVE = ("output_len", "min_prompts", "max_batch_tokens", "overhead_requests",
+            "checksum_requests", "kv_path_requests")  # fmt: skip
+
+
 def add_arguments(
     parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None
 ) -> None:
     env = os.environ if env is None else env
-    opt = parser.add_argument
-
-    def number(flag: str, var: str, default: str, kind: type = int, **more: Any):
-        """An int (or ``kind``) option whose default is BENCH_* or ``default``."""
-        opt(flag, type=kind, default=kind(_env(env, var, default)), **more)
-
-    opt("--profile", default=_env(env, "PD_PROFILE", "tiny"))
-    opt("--input-lens", default=_env(env, "BENCH_INPUT_LENS", "128,1024,4096"))
-    number("--output-len", "BENCH_OUTPUT_LEN", "64")
-    opt("--concurrency", default=_env(env, "BENCH_CONCURRENCY", "1,4,16"))
-    number(
-        "--min-prompts",
-        "BENCH_MIN_PROMPTS",
-        "2",
-        help="prompts per level: max(this, concurrency)",
-    )
-    number(
-        "--max-batch-tokens",
-        "BENCH_MAX_BATCH_TOKENS",
-        "16384",
-        help="skip levels whose input_len x concurrency exceeds this",
-    )
-    number(
-        "--level-timeout",
-        "BENCH_LEVEL_TIMEOUT_S",
-        "600",
-        float,
-        help="seconds one `vllm bench serve` level may take",
-    )
-    number(
-        "--sweep-budget",
-        "BENCH_SWEEP_BUDGET_S",
-        "900",
-        float,
-        help="seconds for the whole vllm bench serve sweep; later levels skipped",
-    )
-    for name in ("router", "prefill", "decode", "colocated"):
-        opt(f"--{name}-url", default=_env(env, f"BENCH_{name.upper()}_URL", ""))
-    number("--colocated-port", "BENCH_COLOCATED_PORT", "8300")
-    number(
-        "--colocated-threads",
-        "BENCH_COLOCATED_THREADS",
-        "2",
-        help="OMP threads of the colocated server (P/D: two 1-thread servers)",
-    )
-    opt("--out", default=_env(env, "BENCH_OUT", str(ROOT / "run" / "bench")))
-    opt(
-        "--run-dir",
-        default=_env(env, "PD_RUN_DIR", str(ROOT / "run" / "bench-stack")),
-        help="logs and pids of the servers the bench starts",
-    )
-    number("--overhead-requests", "BENCH_OVERHEAD_REQUESTS", "60")
-    opt(
-        "--transfer-sizes",
-        default=_env(env, "BENCH_TRANSFER_SIZES", DEFAULT_TRANSFER_SIZES),
-    )
-    number("--transfer-repeats", "BENCH_TRANSFER_REPEATS", "5")
-    opt(
-        "--hosts-link-size",
-        default=_env(env, "BENCH_HOSTS_LINK_SIZE", "64M"),
-        help="bytes per transfer of the engine between hosts",
-    )
-    number("--hosts-link-repeats", "BENCH_HOSTS_LINK_REPEATS", "3")
-    number(
-        "--cold-start",
-        "BENCH_COLD_START",
-        "1",
-        choices=(0, 1),
-        help="also time a start with an empty model cache",
-    )
-    number(
-        "--kv-checksum",
-        "BENCH_KV_CHECKSUM",
-        "1",
-        choices=(0, 1),
-        help="also measure the KV checksum's cost: the P/D stack restarted "
-        "with PD_MOONCAKE_KV_CHECKSUM=0, and the digest's own speed",
-    )
-    number(
-        "--checksum-requests",
-        "BENCH_CHECKSUM_REQUESTS",
-        "5",
-        help="requests per prompt length, checksum on and off (one at a time)",
-    )
-    number(
-        "--kv-path",
-        "BENCH_KV_PATH",
-        "1",
-        choices=(0, 1),
-        help="also measure the KV path: staged and (after a restart with "
-        "PD_MOONCAKE_KV_STAGING_MIB=0) direct sends, fresh and fragmented",
-    )
-    number(
-        "--kv-path-requests",
-        "BENCH_KV_PATH_REQUESTS",
-        "5",
-        help="KV path: requests per prompt length, state and pass (one at a time)",
-    )
-    opt(
-        "--tokenizer",
-        default=_env(env, "BENCH_TOKENIZER", ""),
-        help="default: the profile's model (the generated one for tiny)",
-    )
-    opt("--model", default=_env(env, "BENCH_MODEL", "pd-model"), help="served name")
-    number("--seed", "BENCH_SEED", "0")
+    for flag, var, default, kind, text in OPTIONS:
+        value = _env(env, var, default)
+        number = int if kind is SWITCH else kind
+        parser.add_argument(
+            flag,
+            type=number,
+            default=number(value) if number else value,
+            choices=SWITCH if kind is SWITCH else None,
+            help=text,
+        )
 
 
 def from_args(args: argparse.Namespace) -> Settings:
-    given = {
-        name: getattr(args, f"{name}_url").rstrip("/")
-        for name in ("router", "prefill", "decode", "colocated")
-    }
+    given = {name: getattr(args, f"{name}_url").rstrip("/") for name in URL_NAMES}
     urls = None
     if any(given.values()):
         missing = [name for name, url in given.items() if not url]
@@ -251,36 +207,26 @@ def from_args(args: argparse.Namespace) -> Settings:
                 + ", ".join(f"BENCH_{m.upper()}_URL" for m in missing)
             )
         urls = Urls(**given, bootstrap_port=config.ports().bootstrap)
-    positive = ("output_len", "min_prompts", "max_batch_tokens", "overhead_requests",
-                "checksum_requests", "kv_path_requests")  # fmt: skip
-    for name in positive:
+    for name in POSITIVE:
         if getattr(args, name) <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")
-    return Settings(
-        profile=args.profile,
+    values = dict(
         input_lens=parse_ints(args.input_lens),
-        output_len=args.output_len,
         concurrencies=parse_ints(args.concurrency),
-        min_prompts=args.min_prompts,
-        max_batch_tokens=args.max_batch_tokens,
         level_timeout_s=args.level_timeout,
         sweep_budget_s=args.sweep_budget,
         urls=urls,
-        colocated_port=args.colocated_port,
-        colocated_threads=args.colocated_threads,
         out_root=Path(args.out),
         run_dir=Path(args.run_dir),
-        overhead_requests=args.overhead_requests,
         transfer_sizes=parse_sizes(args.transfer_sizes),
         transfer_repeats=max(1, args.transfer_repeats),
         hosts_link_size=parse_size(args.hosts_link_size),
         hosts_link_repeats=max(1, args.hosts_link_repeats),
         cold_start=bool(args.cold_start),
         kv_checksum=bool(args.kv_checksum),
-        checksum_requests=args.checksum_requests,
         kv_path=bool(args.kv_path),
-        kv_path_requests=args.kv_path_requests,
         tokenizer=args.tokenizer or None,
-        model=args.model,
-        seed=args.seed,
     )
+    # The other fields: their options as parsed.
+    kept = (f.name for f in fields(Settings) if f.name not in values)
+    return Settings(**values, **{name: getattr(args, name) for name in kept})
