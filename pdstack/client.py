@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import requests
 
@@ -65,8 +66,8 @@ def complete_all(
 
 
 def greedy(
-    prompt: list[int] | str | list[list[int]], max_tokens: int, **extra: object
-) -> dict[str, object]:
+    prompt: list[int] | str | list[list[int]], max_tokens: int, **extra: Any
+) -> dict[str, Any]:
     """The body of a greedy completion with its token ids (``extra`` wins)."""
     return {
         "model": MODEL,
