@@ -148,6 +148,7 @@ class Memory:
         self._starts = sorted(storages)
         self._tensors = [storages[a] for a in self._starts]
         self.on_cpu = all(t.device.type == "cpu" for t in self._tensors)
+        self.devices = {t.device for t in self._tensors if t.device.type != "cpu"}
 
     def _find(self, addr: int, nbytes: int) -> tuple[torch.Tensor, int] | None:
         i = bisect.bisect_right(self._starts, addr) - 1
@@ -195,7 +196,13 @@ def copy(
         return
     for d, s, n in zip(dsts, srcs, lengths, strict=True):
         to.view(d, n).copy_(source.view(s, n), non_blocking=True)
-    torch.cuda.synchronize()
+    # The copies run from a sender thread, whose current CUDA device is 0
+    # whatever the worker's (a tensor-parallel rank's caches are on its own):
+    # wait on the devices they ran on. Prefill's write reads the buffer
+    # through Mooncake, outside any stream, and decode's checksum and forward
+    # follow; both need the bytes in place.
+    for device in to.devices | source.devices:
+        torch.cuda.synchronize(device)
 
 
 # -- decode: the span offered in one pull ---------------------------------------
