@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from pdstack import config, cuda_selector, kv_layout
+from pdstack import config, cuda_selector, kv_layout, staging_room
 from pdstack.cuda_selector import Layer
 
 # The GPU classes checked by default: name -> (capability, what it is).
@@ -73,6 +73,9 @@ class Check:
     # layer on one rank (what the plugin logs at start-up).
     regions: list[dict[str, Any]] = field(default_factory=list)
     bytes_per_token: int | None = None  # every layer, every rank
+    # The longest prompt one pull can send through the KV staging buffer
+    # (kv_staging_mib, on each rank); None: staging off.
+    staged_tokens: int | None = None
     batch_invariant: bool | None = None
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -217,6 +220,7 @@ def check(
         for r in lay.regions
     ]
     result.bytes_per_token = lay.bytes_per_block() // kernel
+    staging_room.check(result, flags, kernel)
     return result
 
 

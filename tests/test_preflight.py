@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pd_mooncake import staging
 from pdstack import config, cuda_selector, kv_layout, preflight, serve
 
 GPUS = {gpu: cap for gpu, (cap, _) in preflight.GPUS.items()}
@@ -169,6 +170,49 @@ def test_hub_profile_with_given_configs_is_checked() -> None:
         # tensor-parallel-size 8: 64 heads are 8 per rank.
         assert [la.num_heads for la in c.layers] == [8, 8]
         assert c.regions[0]["layers"] == 61
+
+
+def _kimi(staging_mib: int | None = None) -> list[preflight.Check]:
+    model, draft = KIMI_LIKE / "config.json", KIMI_LIKE / "draft_config.json"
+    overrides = {}
+    if staging_mib is not None:
+        kv = config.vllm_flags("decode", "kimi-k2.5", "gpu")["kv-transfer-config"]
+        extra = {**kv["kv_connector_extra_config"], staging.KEY: staging_mib}
+        overrides["kv-transfer-config"] = {**kv, "kv_connector_extra_config": extra}
+    return preflight.run(["kimi-k2.5"], {"sm90": (9, 0)}, ("decode",), overrides,
+                         model, draft)  # fmt: skip
+
+
+def test_a_staging_buffer_shorter_than_max_model_len_is_named() -> None:
+    """Kimi-K2.5's 70 KB a token on each rank: 256 MiB stage a few thousand
+    tokens of its 131072; the figure is the plugin's own span bound."""
+    (c,) = _kimi()
+    assert c.status == "accepted" and c.kernel_block_size and c.staged_tokens
+    block_bytes = [r["bytes_per_block"] for r in c.regions for _ in range(r["layers"])]
+    capacity = (
+        config.vllm_flags("decode", "kimi-k2.5", "gpu")["kv-transfer-config"][
+            "kv_connector_extra_config"
+        ][staging.KEY]
+        << 20
+    )
+    blocks = c.staged_tokens // c.kernel_block_size
+    assert staging.span_bound([blocks], block_bytes) <= capacity
+    assert staging.span_bound([blocks + 1], block_bytes) > capacity
+    (note,) = [n for n in c.notes if staging.KEY in n]
+    assert f"at most {c.staged_tokens} prompt tokens" in note
+    assert "max-model-len 131072" in note
+
+
+def test_a_staging_buffer_for_every_prompt_or_none_gives_no_note(
+    tiny: list[preflight.Check],
+) -> None:
+    (big,) = _kimi(staging_mib=9000)
+    assert big.staged_tokens >= 131072
+    (off,) = _kimi(staging_mib=0)
+    assert off.staged_tokens is None
+    for c in (big, off, *tiny):
+        assert not [n for n in c.notes if staging.KEY in n], c.notes
+    assert all(c.staged_tokens >= 8192 for c in tiny)  # the tiny pair's max-model-len
 
 
 def test_cli_prints_batch_invariance_and_fails_a_rejection(

@@ -280,3 +280,12 @@ def span_bound(block_counts: Iterable[int], block_bytes: Sequence[int]) -> int:
         aligned(record_bytes([0] * (n * len(block_bytes))) + n * sum(block_bytes))
         for n in block_counts
     )
+
+
+def longest_prompt(capacity: int, block_bytes: Sequence[int], block_tokens: int) -> int:
+    """The most prompt tokens one pull can stage in ``capacity`` bytes (a
+    multiple of ``block_tokens``), by ``span_bound``."""
+    blocks = capacity // sum(block_bytes)
+    while blocks and span_bound([blocks], block_bytes) > capacity:
+        blocks -= 1
+    return blocks * block_tokens
