@@ -22,15 +22,10 @@ from aiohttp import web
 
 from pdstack.supervisor import HOST
 
+START_TIMEOUT_S = 10.0
 # Hop-by-hop headers, and those aiohttp recomputes for the relayed body.
-_DROP = {
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "content-length",
-    "content-encoding",
-    "host",
-}
+_DROP = {"connection", "keep-alive", "transfer-encoding", "content-length",
+         "content-encoding", "host"}  # fmt: skip
 
 
 @dataclass
@@ -43,6 +38,10 @@ class Exchange:
     response: Any = None
     started: float = 0.0
     finished: float = 0.0
+
+    def finish(self, status: int, response: Any) -> None:
+        self.status, self.response = status, response
+        self.finished = time.monotonic()
 
 
 # A stub's answer to (method, path, body): status, then a JSON value or, for a
@@ -79,14 +78,13 @@ def _decode(raw: bytes) -> Any:
 class TapServer:
     """Runs taps in a background event loop: ``with TapServer(taps): ...``."""
 
-    def __init__(self, taps: list[Tap], start_timeout_s: float = 10.0) -> None:
+    def __init__(self, taps: list[Tap]) -> None:
         self.taps = taps
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, daemon=True, name="tap")
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
-        self._start_timeout_s = start_timeout_s
 
     def _handler(self, tap: Tap, session: aiohttp.ClientSession):
         async def handle(request: web.Request) -> web.StreamResponse:
@@ -121,9 +119,7 @@ class TapServer:
                     kept += chunk
                     await out.write(chunk)
                 await out.write_eof()
-            exchange.status = upstream.status
-            exchange.response = _decode(bytes(kept))
-            exchange.finished = time.monotonic()
+            exchange.finish(upstream.status, _decode(bytes(kept)))
             return out
 
         return handle
@@ -147,9 +143,7 @@ class TapServer:
             out = web.Response(status=status, text=payload)
         else:
             out = web.json_response(payload, status=status)
-        exchange.status = status
-        exchange.response = payload
-        exchange.finished = time.monotonic()
+        exchange.finish(status, payload)
         return out
 
     async def _serve(self) -> None:
@@ -182,7 +176,7 @@ class TapServer:
 
     def __enter__(self) -> TapServer:
         self._thread.start()
-        if not self._ready.wait(self._start_timeout_s) or self._error is not None:
+        if not self._ready.wait(START_TIMEOUT_S) or self._error is not None:
             raise RuntimeError(f"HTTP tap did not start: {self._error!r}")
         return self
 

@@ -65,20 +65,15 @@ def plan(s: Settings, router: str, prefill: str, out: Path, tokenizer: str) -> P
     return single_requests.plan(s, tokenizer, chosen)
 
 
-def decode_state(snapshot: m.Snapshot) -> dict[str, float]:
-    return {
-        "enabled": snapshot.total(m.CHECKSUM_ENABLED),
-        "matched_regions": snapshot.total(m.CHECKSUM_MATCH),
-        "mismatched_regions": snapshot.total(m.CHECKSUM_MISMATCH),
-    }
-
-
 def state_json(before: m.Snapshot, after: m.Snapshot) -> dict[str, float]:
     """Decode's checksum over a pass: the gauge as it stands, the counters'
     deltas (regions verified, regions that differed)."""
-    delta = decode_state(after - before)
-    delta["enabled"] = decode_state(after)["enabled"]
-    return delta
+    delta = after - before
+    return {
+        "enabled": after.total(m.CHECKSUM_ENABLED),
+        "matched_regions": delta.total(m.CHECKSUM_MATCH),
+        "mismatched_regions": delta.total(m.CHECKSUM_MISMATCH),
+    }
 
 
 # -- reading a run directory ------------------------------------------------------

@@ -57,11 +57,9 @@ class LevelResult:
             raise ReportError(f"not a bench level result: missing {exc}") from exc
         if target not in TARGETS:
             raise ReportError(f"unknown target {target!r}")
-        values = {}
-        for key, _ in METRICS:
-            value = data.get(key)
-            if value is not None and completed:
-                values[key] = float(value)
+        values = {key: float(data[key]) for key, _ in METRICS
+                  if completed and data.get(key) is not None}  # fmt: skip
+        mean_ttft = data.get("mean_ttft_ms")
         return cls(
             target=target,
             input_len=input_len,
@@ -69,9 +67,7 @@ class LevelResult:
             completed=completed,
             failed=int(data.get("failed", 0)),
             values=values,
-            mean_ttft_ms=float(data["mean_ttft_ms"])
-            if data.get("mean_ttft_ms")
-            else None,
+            mean_ttft_ms=float(mean_ttft) if mean_ttft else None,
             input_lens=kv_transfer.from_result(data),
             errors=[str(e) for e in data.get("errors") or [] if e],
         )

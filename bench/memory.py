@@ -50,16 +50,9 @@ class PeakMemory:
     """``with PeakMemory({"prefill": [record], ...}) as m: ...; m.peak``
     (records: ``pdstack.supervisor.Record``)."""
 
-    def __init__(
-        self,
-        groups: Mapping[str, Sequence[Record]],
-        rss_interval_s: float = RSS_INTERVAL_S,
-        pss_interval_s: float = PSS_INTERVAL_S,
-    ) -> None:
+    def __init__(self, groups: Mapping[str, Sequence[Record]]) -> None:
         self.groups = dict(groups)
         self.peak = Peak()
-        self._rss_interval_s = rss_interval_s
-        self._pss_interval_s = pss_interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="memory")
 
@@ -79,11 +72,11 @@ class PeakMemory:
         last_pss = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
-            with_pss = now - last_pss >= self._pss_interval_s
+            with_pss = now - last_pss >= PSS_INTERVAL_S
             if with_pss:
                 last_pss = now
             self.sample(with_pss)
-            self._stop.wait(self._rss_interval_s)
+            self._stop.wait(RSS_INTERVAL_S)
 
     def __enter__(self) -> PeakMemory:
         self._thread.start()

@@ -41,7 +41,7 @@ from bench.levels import (
     table,
 )
 from bench.settings import human_bytes
-from bench.targets import Target, judge
+from bench.targets import TUNED, Target, judge
 from pdstack import kv_layout
 
 TARGET_NAMES = {"pd": "P/D", "colocated": "colocated"}
@@ -138,8 +138,7 @@ def engine_table(comparisons: Sequence[te.Comparison]) -> list[str]:
                 pct(ratio(c.chunked_bps, c.socket_bps)),
                 pct(ratio(c.tuned_bps, c.socket_bps))]  # fmt: skip
 
-    tuned = ", ".join(f"{k}={v}" for k, v in te.TUNED_ENV.items())
-    chunk = human_bytes(te.CHUNK_BYTES)
+    tuned, chunk = TUNED, human_bytes(te.CHUNK_BYTES)
     head = [
         "size", "engine GB/s", "engine, 36 KiB descriptors GB/s",
         f"engine, {chunk} descriptors (stall_guard) GB/s", f"engine, {tuned} GB/s",

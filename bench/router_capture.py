@@ -49,6 +49,8 @@ PREFILL_PARAMS = {
     "transfer_id": str,
 }
 Progress = Callable[[str], None]
+# The taps router_behind puts the router behind, in its order.
+TAPS = ("prefill", "decode", "bootstrap")
 
 
 class ProtocolError(RuntimeError):
@@ -60,10 +62,9 @@ def bootstrap_url(prefill_url: str, bootstrap_port: int) -> str:
     return f"http://{host}:{bootstrap_port}"
 
 
-def engine_id(bootstrap: str, session: requests.Session | None = None) -> str:
+def engine_id(bootstrap: str) -> str:
     """The prefill engine's id from its Mooncake bootstrap server (DP rank 0)."""
-    getter = session or requests
-    answer = getter.get(f"{bootstrap}/query", timeout=10).json()
+    answer = requests.get(f"{bootstrap}/query", timeout=10).json()
     try:
         return str(answer["0"]["engine_id"])
     except (KeyError, TypeError) as exc:
@@ -75,28 +76,20 @@ def engine_id(bootstrap: str, session: requests.Session | None = None) -> str:
 def build_legs(
     body: Mapping[str, Any], engine: str, bootstrap: str, transfer_id: str | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The prefill and decode request bodies the router would send for ``body``."""
-    transfer_id = transfer_id or f"xfer-{uuid.uuid4()}"
-    prefill = {
-        **copy.deepcopy(dict(body)),
-        **PREFILL_OVERRIDES,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "transfer_id": transfer_id,
-        },
+    """The prefill and decode request bodies the router would send for
+    ``body``: each leg's kv_transfer_params as the protocol (PREFILL_PARAMS,
+    DECODE_PARAMS) has them, its strings filled in."""
+    strings = {
+        "transfer_id": transfer_id or f"xfer-{uuid.uuid4()}",
+        "remote_bootstrap_addr": bootstrap,
+        "remote_engine_id": engine,
     }
-    decode = {
-        **copy.deepcopy(dict(body)),
-        "kv_transfer_params": {
-            "do_remote_decode": False,
-            "do_remote_prefill": True,
-            "transfer_id": transfer_id,
-            "remote_bootstrap_addr": bootstrap,
-            "remote_engine_id": engine,
-        },
-    }
-    return prefill, decode
+
+    def leg(params: Mapping[str, Any], **more: Any) -> dict[str, Any]:
+        kv = {k: strings[k] if want is str else want for k, want in params.items()}
+        return {**copy.deepcopy(dict(body)), **more, "kv_transfer_params": kv}
+
+    return leg(PREFILL_PARAMS, **PREFILL_OVERRIDES), leg(DECODE_PARAMS)
 
 
 def _check_params(
@@ -201,12 +194,10 @@ def capture(
     progress: Progress = print,
 ) -> Capture:
     """Start a router behind taps, send ``requests_n`` requests, return its legs."""
+    bootstrap = bootstrap_url(prefill_url, bootstrap_port)
+    upstreams = (prefill_url, decode_url, bootstrap)
     taps = [
-        http_tap.Tap("prefill", free_port(), prefill_url),
-        http_tap.Tap("decode", free_port(), decode_url),
-        http_tap.Tap(
-            "bootstrap", free_port(), bootstrap_url(prefill_url, bootstrap_port)
-        ),
+        http_tap.Tap(n, free_port(), u) for n, u in zip(TAPS, upstreams, strict=True)
     ]
     pairs: list[tuple[http_tap.Exchange, http_tap.Exchange]] = []
     own_ms: list[float] = []
@@ -288,8 +279,6 @@ def stub_bootstrap(method: str, path: str, body: Any) -> http_tap.Reply:
 
 def stub_taps(model: str) -> list[http_tap.Tap]:
     """Stub prefill, decode and bootstrap server, in the order router_behind takes."""
-    return [
-        http_tap.Tap("prefill", free_port(), None, respond=stub_vllm(model)),
-        http_tap.Tap("decode", free_port(), None, respond=stub_vllm(model)),
-        http_tap.Tap("bootstrap", free_port(), None, respond=stub_bootstrap),
-    ]
+    stubs = (stub_vllm(model), stub_vllm(model), stub_bootstrap)
+    return [http_tap.Tap(name, free_port(), None, respond=stub)
+            for name, stub in zip(TAPS, stubs, strict=True)]  # fmt: skip

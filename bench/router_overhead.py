@@ -23,6 +23,8 @@ import numpy as np
 from bench import router_capture
 from pdstack.supervisor import HOST
 
+RESAMPLES = 1000
+
 
 @dataclass
 class Overhead:
@@ -44,29 +46,24 @@ class Overhead:
         return self.percentile(diffs, p)
 
 
-class Connection:
+class Connection(http.client.HTTPConnection):
     """A kept-alive HTTP/1.1 connection with the least client-side cost
     (http.client, bodies serialized before the clock starts): the client's own
     time is in both paths, once more in the direct one (two requests)."""
 
     def __init__(self, base_url: str) -> None:
         parts = urlsplit(base_url)
-        self.host = parts.hostname or HOST
-        self.port = parts.port or 80
-        self.conn = http.client.HTTPConnection(
-            self.host, self.port, timeout=router_capture.REQUEST_TIMEOUT_S
-        )
+        timeout = router_capture.REQUEST_TIMEOUT_S
+        super().__init__(parts.hostname or HOST, parts.port or 80, timeout=timeout)
 
     def post(self, path: str, body: bytes) -> bytes:
         for attempt in (1, 2):
             try:
-                self.conn.request(
-                    "POST", path, body, {"Content-Type": "application/json"}
-                )
-                answer = self.conn.getresponse()
+                self.request("POST", path, body, {"Content-Type": "application/json"})
+                answer = self.getresponse()
                 data = answer.read()
             except (http.client.HTTPException, ConnectionError):
-                self.conn.close()
+                self.close()
                 if attempt == 2:
                     raise
                 continue
@@ -77,9 +74,6 @@ class Connection:
                 )
             return data
         raise AssertionError("unreachable")
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 def measure(
@@ -165,19 +159,17 @@ def measure_on_stubs(
         )  # fmt: skip
 
 
-def p50_interval(
-    overhead: Overhead, resamples: int = 1000, seed: int = 0
-) -> tuple[float, float]:
-    """95% bootstrap interval of p50(router) - p50(direct)."""
+def p50_interval(overhead: Overhead) -> tuple[float, float]:
+    """95% bootstrap interval of p50(router) - p50(direct), over RESAMPLES."""
     router = np.asarray(overhead.router_ms)
     direct = np.asarray(overhead.direct_ms)
     if len(router) < 2 or len(direct) < 2:
         return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     diffs = [
         np.median(rng.choice(router, len(router)))
         - np.median(rng.choice(direct, len(direct)))
-        for _ in range(resamples)
+        for _ in range(RESAMPLES)
     ]
     low, high = np.percentile(diffs, [2.5, 97.5])
     return float(low), float(high)

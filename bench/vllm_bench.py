@@ -79,14 +79,9 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Plan:
-        return cls(
-            model=data["model"],
-            tokenizer=data["tokenizer"],
-            output_len=int(data["output_len"]),
-            timeout_s=float(data["timeout_s"]),
-            levels=tuple(Level(**level) for level in data["levels"]),
-            budget_s=float(data.get("budget_s", "inf")),
-        )
+        """What to_json wrote (JSON keeps its numbers' types, and infinity)."""
+        levels = tuple(Level(**level) for level in data["levels"])
+        return cls(**{**data, "levels": levels})
 
 
 def bench_serve_args(plan: Plan, level: Level) -> list[str]:
@@ -173,18 +168,14 @@ def run(plan: Plan) -> int:
     parser = _parser()
     failures = 0
     sweep_start = time.monotonic()
+    # A P/D-colocated pair's two runs share their prompt length and concurrency.
+    keys = [(lv.input_len, lv.concurrency) for lv in plan.levels]
     for i, level in enumerate(plan.levels, 1):
         remaining = plan.budget_s - (time.monotonic() - sweep_start)
-        partner = i < len(plan.levels) and (
-            plan.levels[i].input_len,
-            plan.levels[i].concurrency,
-        ) == (level.input_len, level.concurrency)
-        first_of_pair = partner and (
-            i == 1
-            or (plan.levels[i - 2].input_len, plan.levels[i - 2].concurrency)
-            != (level.input_len, level.concurrency)
-        )
-        status_file = Path(level.result_file).with_suffix(".status.json")
+        partner = i < len(keys) and keys[i] == keys[i - 1]
+        first_of_pair = partner and (i == 1 or keys[i - 2] != keys[i - 1])
+        result = Path(level.result_file)
+        status_file = result.with_suffix(".status.json")
         if remaining < (2 * MIN_LEVEL_S if first_of_pair else MIN_LEVEL_S):
             status_file.write_text(json.dumps({"status": "skipped: budget spent"}))
             print(f"[bench] level {i}/{len(plan.levels)}: skipped, budget spent")
@@ -213,10 +204,8 @@ def run(plan: Plan) -> int:
         if status != "ok":
             failures += 1
         completed = 0
-        if Path(level.result_file).exists():
-            completed = int(
-                json.loads(Path(level.result_file).read_text())["completed"]
-            )
+        if result.exists():
+            completed = int(json.loads(result.read_text())["completed"])
         if level.kv_file and before is not None:
             delta = _kv_delta(level, before, decode_before, completed)
             Path(level.kv_file).write_text(json.dumps(delta, indent=1))
