@@ -43,9 +43,16 @@ def _vllm_argv(
         if f"--{flag}" in argv:
             i = argv.index(f"--{flag}")
             del argv[i : i + 2]
-    i = argv.index("--port")
-    argv[i + 1] = str(port)
+    argv[argv.index("--port") + 1] = str(port)
     return argv, env
+
+
+def _check_free(ports: Mapping[str, int], what_to_set: str) -> None:
+    for name, port in ports.items():
+        if port_in_use(port):
+            raise wait.WaitError(
+                f"{name} port {port} on {HOST} is in use: set {what_to_set}"
+            )
 
 
 def start_pd(
@@ -80,22 +87,13 @@ def _start_pd(
 ) -> tuple[Urls, dict[str, float], list[str]]:
     ports = config.ports()
     urls = supervisor.urls(ports)
-    for name, port in (
-        ("router", ports.router),
-        ("prefill", ports.prefill),
-        ("decode", ports.decode),
-        ("bootstrap", ports.bootstrap),
-        ("side channel", ports.side_channel),
-    ):
-        if port_in_use(port):
-            raise wait.WaitError(
-                f"{name} port {port} on {HOST} is in use: set ROUTER_PORT, "
-                "PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT to free ones"
-            )
+    names = ("router", "prefill", "decode", "bootstrap", "side_channel")
+    variables = "ROUTER_PORT, PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT to free ones"
+    _check_free({n.replace("_", " "): getattr(ports, n) for n in names}, variables)
     start = time.monotonic()
-    for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
-        argv, env = _vllm_argv(role, profile, port)
-        stack.launch(role, argv, env, f"http://{HOST}:{port}")
+    for role in config.ROLES:
+        port = getattr(ports, role)
+        stack.launch(role, *_vllm_argv(role, profile, port), f"http://{HOST}:{port}")
     timings = {}
     for role in config.ROLES:
         stack.wait_healthy(role, supervisor.SERVER_DEADLINE_S)
@@ -105,8 +103,7 @@ def _start_pd(
     router = supervisor.router_command(urls, metrics_port=metrics_port)
     stack.launch("router", router, {}, urls.router)
     stack.wait_healthy("router", supervisor.ROUTER_DEADLINE_S)
-    timings["router"] = time.monotonic() - start
-    timings["total"] = timings["router"]
+    timings["router"] = timings["total"] = time.monotonic() - start
     return urls, timings, notes
 
 
@@ -119,10 +116,7 @@ def start_colocated(
 ) -> tuple[str, float, list[str]]:
     """One vLLM server with P/D's flags minus the KV connector, given the
     threads and the KV cache of both P/D servers together."""
-    if port_in_use(port):
-        raise wait.WaitError(
-            f"colocated port {port} on {HOST} is in use: set BENCH_COLOCATED_PORT"
-        )
+    _check_free({"colocated": port}, "BENCH_COLOCATED_PORT")
     kv_bytes = sum(
         int(config.vllm_flags(role, profile, "cpu")["kv-cache-memory-bytes"])
         for role in config.ROLES
@@ -147,22 +141,11 @@ def start_colocated(
 def generate_model(cache_dir: Path, log: Path, deadline_s: float = 900.0) -> float:
     """Generate the tiny model pair into an empty ``cache_dir``; seconds taken."""
     start = time.monotonic()
+    argv = [sys.executable, "-m", "pdstack.tiny_model", "--cache-dir", str(cache_dir)]
     with log.open("wb") as out:
         try:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pdstack.tiny_model",
-                    "--cache-dir",
-                    str(cache_dir),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                check=True,
-                timeout=deadline_s,
-                stdin=subprocess.DEVNULL,
-            )
+            subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=True,
+                           timeout=deadline_s, stdin=subprocess.DEVNULL)  # fmt: skip
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
             raise wait.WaitError(
                 f"tiny model generation failed ({exc}); log {log}:\n{wait.tail(log)}"
