@@ -92,7 +92,6 @@ def settle_delta(
 class LayoutCheck:
     ok: bool
     expected_bytes: int
-    measured_bytes: int
     detail: str
 
 
@@ -134,15 +133,11 @@ def check_layout(
             f"{counters.get('failed_transfers', 0):.0f} failed transfers, "
             f"{counters.get('failed_recvs', 0):.0f} failed receives"
         )
-    detail = (
-        "; ".join(problems)
-        if problems
-        else (
-            f"{len(input_lens)} requests in {transfers} transfers, {measured} bytes "
-            f"= whole {layout.block_size}-token blocks x {per_block} B"
-        )
+    detail = "; ".join(problems) or (
+        f"{len(input_lens)} requests in {transfers} transfers, {measured} bytes "
+        f"= whole {layout.block_size}-token blocks x {per_block} B"
     )
-    return LayoutCheck(not problems, expected, measured, detail)
+    return LayoutCheck(not problems, expected, detail)
 
 
 @dataclass(frozen=True)
@@ -163,18 +158,15 @@ def cost(
     transfers = int(counters.get("transfers", 0))
     if transfers <= 0 or requests <= 0:
         return None
-    seconds = counters.get("seconds", 0.0) / transfers
+    total_s = counters.get("seconds", 0.0)
+    seconds = total_s / transfers
     return TransferCost(
         requests=requests,
         transfers=transfers,
         bytes_per_request=counters.get("bytes", 0.0) / requests,
         seconds_per_transfer=seconds,
         share_of_ttft=(seconds * 1e3 / mean_ttft_ms) if mean_ttft_ms else None,
-        mb_per_s=(
-            counters.get("bytes", 0.0) / counters["seconds"] / 1e6
-            if counters.get("seconds")
-            else 0.0
-        ),
+        mb_per_s=counters.get("bytes", 0.0) / total_s / 1e6 if total_s else 0.0,
         descriptors_per_transfer=counters.get("descriptors", 0.0) / transfers,
     )
 

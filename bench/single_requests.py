@@ -48,11 +48,11 @@ def levels(
 
     first = min(s.input_lens)
     chosen = [level(f"{WARMUP}-in{first}", first, seed - 1)] if warmup else []
-    for k, (length, i) in enumerate(
-        (n, i) for n in sorted(s.input_lens) for i in range(requests)
-    ):
-        chosen.append(level(f"{level_name('pd', length, 1)}-r{i}", length, seed + k))
-    return chosen
+    runs = [(n, i) for n in sorted(s.input_lens) for i in range(requests)]
+    return chosen + [
+        level(f"{level_name('pd', n, 1)}-r{i}", n, seed + k)
+        for k, (n, i) in enumerate(runs)
+    ]
 
 
 def plan(s: Settings, tokenizer: str, chosen: Iterable[Level]) -> Plan:
@@ -65,7 +65,6 @@ class Request:
     """One completed request: its TTFT and the prefill's transfer counters
     (bench.kv_transfer.COUNTERS' keys) over it."""
 
-    input_len: int
     ttft_ms: float
     # Server-reported prompt lengths (for the layout check).
     input_lens: list[int]
@@ -93,8 +92,7 @@ def read(where: Path) -> dict[int, list[Request]]:
             continue
         kv = path.with_name(path.name.removesuffix(".json") + ".kv.json")
         counters = json.loads(kv.read_text()) if kv.exists() else {}
-        ttft = level.values["p50_ttft_ms"]
-        request = Request(level.input_len, ttft, level.input_lens, counters)
+        request = Request(level.values["p50_ttft_ms"], level.input_lens, counters)
         out.setdefault(level.input_len, []).append(request)
     return out
 
