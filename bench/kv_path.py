@@ -137,14 +137,10 @@ class Cell:
 
     requests: list[Request]
 
-    def _sent(self) -> list[Request]:
-        return [r for r in self.requests if r.transfer_ms() is not None]
-
-    def descriptors(self) -> float | None:
-        return p50(r.counters.get("descriptors") for r in self._sent())
-
-    def bytes(self) -> float | None:
-        return p50(r.counters.get("bytes") for r in self._sent())
+    def counter(self, key: str) -> float | None:
+        """A transfer counter's p50 over the requests that sent."""
+        sent = (r for r in self.requests if r.transfer_ms() is not None)
+        return p50(r.counters.get(key) for r in sent)
 
     def transfer_ms(self) -> float | None:
         return p50(r.transfer_ms() for r in self.requests)
@@ -184,10 +180,8 @@ class Result:
 
     def fragmented_vs_fresh(self, state: str, length: int) -> float | None:
         """The fragmented pass's rate over the fresh pass's (p50s)."""
-        fresh = self.cell(state, "fresh", length)
-        frag = self.cell(state, "fragmented", length)
-        return ratio(frag.mb_per_s() if frag else None,
-                     fresh.mb_per_s() if fresh else None)  # fmt: skip
+        fresh, frag = (self.cell(state, name, length) for name in PASSES)
+        return ratio(*(c.mb_per_s() if c else None for c in (frag, fresh)))
 
     def staging_note(self) -> str | None:
         """Why the 'staged' state was probably not staged, if so: at the
@@ -214,7 +208,7 @@ class Result:
 
 
 def _descriptors(cell: Cell | None) -> float | None:
-    return cell.descriptors() if cell else None
+    return cell.counter("descriptors") if cell else None
 
 
 def _burst(where: Path) -> dict[str, Any]:
@@ -280,7 +274,7 @@ def vs_engine(
     """The cell's rate as a share of the engine's bulk rate (one descriptor)
     at the nearest size, and that size's result."""
     rate = cell.mb_per_s() if cell else None
-    engine = engine_for(comparisons, cell.bytes() if cell else None)
+    engine = engine_for(comparisons, cell.counter("bytes") if cell else None)
     if rate is None or engine is None or not engine.engine_bps:
         return None
     return rate * 1e6 / engine.engine_bps, engine
@@ -290,7 +284,7 @@ def vs_chunked(cell: Cell | None, comparisons: Sequence[te.Comparison]) -> float
     """The cell's rate as a share of the engine's with 1 MiB descriptors
     through stall_guard, at vs_engine's size."""
     bulk = vs_engine(cell, comparisons)
-    if bulk is None or cell is None or not bulk[1].chunked_bps:
+    if bulk is None or not bulk[1].chunked_bps:
         return None
     return bulk[0] * bulk[1].engine_bps / bulk[1].chunked_bps
 
@@ -298,15 +292,10 @@ def vs_chunked(cell: Cell | None, comparisons: Sequence[te.Comparison]) -> float
 def sizes_for(result: Result | None, sizes: Sequence[int]) -> tuple[int, ...]:
     """Of ``sizes``, the nearest to each prompt length's transfer (for an
     engine measurement that covers the run's cells)."""
-    nearest = set()
-    for by in (result.cells if result else {}).values():
-        for cells in by.values():
-            for cell in cells.values():
-                pick = engine_for([te.Comparison(n, 1, 1, 1, None) for n in sizes],
-                                  cell.bytes())  # fmt: skip
-                if pick is not None:
-                    nearest.add(pick.size)
-    return tuple(sorted(nearest))
+    engines = [te.Comparison(n, 1, 1, 1, None) for n in sizes]
+    cells = _cells(result) if result else []
+    picks = (engine_for(engines, cell.counter("bytes")) for *_, cell in cells)
+    return tuple(sorted({pick.size for pick in picks if pick}))
 
 
 def summary(
@@ -319,8 +308,9 @@ def summary(
         engine = vs_engine(cell, comparisons)
         rows.append({
             "state": state, "pass": name, "input_len": n,
-            "requests": len(cell.requests), "descriptors_p50": cell.descriptors(),
-            "bytes_p50": cell.bytes(), "transfer_ms_p50": cell.transfer_ms(),
+            "requests": len(cell.requests),
+            "descriptors_p50": cell.counter("descriptors"),
+            "bytes_p50": cell.counter("bytes"), "transfer_ms_p50": cell.transfer_ms(),
             "mb_per_s_p50": cell.mb_per_s(), "ttft_ms_p50": cell.ttft_ms(),
             "share_of_ttft": cell.share(),
             "vs_engine_bulk": engine[0] if engine else None,
@@ -362,9 +352,9 @@ def markdown(
         state, name, n, cell = row
         engine = vs_engine(cell, comparisons)
         return [
-            state, name, str(n), str(len(cell.requests)), fmt(cell.descriptors(), 0),
-            fmt(cell.transfer_ms(), 1), fmt(cell.mb_per_s(), 0), fmt(cell.ttft_ms(), 0),
-            fmt_pct(cell.share()),
+            state, name, str(n), str(len(cell.requests)),
+            fmt(cell.counter("descriptors"), 0), fmt(cell.transfer_ms(), 1),
+            fmt(cell.mb_per_s(), 0), fmt(cell.ttft_ms(), 0), fmt_pct(cell.share()),
             "n/a" if engine is None
             else f"{fmt_pct(engine[0])} ({human_bytes(engine[1].size)})",
             fmt_pct(vs_chunked(cell, comparisons)),
