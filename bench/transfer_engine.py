@@ -161,15 +161,10 @@ def run(
     capacity = max(sizes)
     samples: list[Sample] = []
     # Both processes under ``env``: the receiver inherits it when spawned.
+    receiver = (Receiver, capacity + misaddress, receiver_host)
     with (
         mock.patch.dict(os.environ, env),
-        loopback.Peer(
-            Receiver,
-            capacity + misaddress,
-            receiver_host,
-            deadline_s=DEADLINE_S,
-            netns=netns,
-        ) as peer,
+        loopback.Peer(*receiver, deadline_s=DEADLINE_S, netns=netns) as peer,
     ):
         session, remote_addr = peer.call("address")
         remote_addr += misaddress
@@ -208,30 +203,25 @@ def run(
 
         for size in sorted(sizes):
             want = digest(source, size)
-            plans: list[tuple[Sample, Callable[[], Any]]] = []
-            for method in methods:
-                sample = Sample(method, size, max(1, SAMPLE_BYTES // size))
-                once: Callable[[], Any]
-                if method in ("engine", TUNED_METHOD):
-                    sample.env = dict(env)
-                    once = partial(engine_write, [source_addr], [remote_addr], [size])
-                elif method == "engine_kv_blocks":
-                    blocks = kv_descriptors(size, source_addr, remote_addr)
-                    if len(blocks[0]) > MAX_KV_DESCRIPTORS:
-                        continue
-                    sample.descriptors = len(blocks[0])
-                    once = partial(engine_write, *blocks)
-                elif method == CHUNKED_METHOD:
-                    if size < CHUNK_BYTES:
-                        continue
-                    pieces = chunks(source_addr, remote_addr, size)
-                    sample.descriptors = len(pieces[0])
-                    once = partial(chunked_write, *pieces)
-                elif method == "socket":
-                    once = partial(socket_write, size)
-                else:
-                    once = partial(np.copyto, scratch[:size], source[:size])
-                plans.append((sample, once))
+            whole = ([source_addr], [remote_addr], [size])
+            kv = kv_descriptors(size, source_addr, remote_addr)
+            pieces = chunks(source_addr, remote_addr, size)
+            # Per method: its descriptors and one transfer; a method left out
+            # does not run at this size.
+            ways: dict[str, tuple[int, Callable[[], Any]]] = {
+                "engine": (1, partial(engine_write, *whole)),
+                "socket": (1, partial(socket_write, size)),
+                "memcpy": (1, partial(np.copyto, scratch[:size], source[:size])),
+            }
+            if len(kv[0]) <= MAX_KV_DESCRIPTORS:
+                ways["engine_kv_blocks"] = (len(kv[0]), partial(engine_write, *kv))
+            if size >= CHUNK_BYTES:
+                ways[CHUNKED_METHOD] = (len(pieces[0]), partial(chunked_write, *pieces))
+            plans = [
+                (Sample(m, size, max(1, SAMPLE_BYTES // size), descriptors=ways[m][0],
+                        env=dict(env) if m == "engine" else {}), ways[m][1])
+                for m in methods if m in ways
+            ]  # fmt: skip
             # Methods take turns, so a change in the machine's load touches
             # every method alike instead of skewing one ratio.
             for _ in range(repeats):
