@@ -117,7 +117,7 @@ def _serve(
         conn.send((False, f"{type(exc).__name__}: {exc}"))
 
 
-class Peer:
+class Peer(contextlib.AbstractContextManager["Peer"]):
     """``cls(*args)`` in a spawned process (``cls`` importable by name), in
     network namespace ``netns`` if given (by its name under /var/run/netns)."""
 
@@ -171,9 +171,6 @@ class Peer:
             self.proc.kill()
             self.proc.join(timeout=5)
         self._conn.close()
-
-    def __enter__(self) -> Peer:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
