@@ -161,8 +161,9 @@ class Cell:
         return None if all(f is None for f in flags) else sum(map(bool, flags))
 
     def phase_ms(self, phase: str) -> float | None:
-        """A phase's p50 over the requests sent staged."""
-        return p50(kv_phases.phase_ms((r.counters for r in self.requests), phase))
+        """A phase's p50 (ms) over the requests sent staged."""
+        sent = (r.counters for r in self.requests if kv_phases.staged(r.counters))
+        return p50(c.get(kv_phases.key(phase), 0.0) * 1e3 for c in sent)
 
 
 @dataclass(frozen=True)
@@ -225,15 +226,12 @@ def _burst(where: Path) -> dict[str, Any]:
         return [min(values), max(values)] if values else []
 
     return {
-        "status": status.get("status", "?"),
-        "seconds": status.get("seconds"),
+        "status": status.get("status", "?"), "seconds": status.get("seconds"),
         "completed": int(result.get("completed", 0)),
         "failed": int(result.get("failed", 0)),
-        "input_lens": span("input_lens"),
-        "output_lens": span("output_lens"),
-        "transfers": kv.get("transfers"),
-        "descriptors": kv.get("descriptors"),
-    }
+        "input_lens": span("input_lens"), "output_lens": span("output_lens"),
+        "transfers": kv.get("transfers"), "descriptors": kv.get("descriptors"),
+    }  # fmt: skip
 
 
 def read(run_dir: Path) -> Result | None:
@@ -263,9 +261,8 @@ def engine_for(
     if not comparisons or not nbytes or nbytes <= 0:
         return None
     best = min(comparisons, key=lambda c: abs(math.log(c.size / nbytes)))
-    return (
-        best if abs(math.log(best.size / nbytes)) <= math.log(NEAREST_FACTOR) else None
-    )
+    far = abs(math.log(best.size / nbytes)) > math.log(NEAREST_FACTOR)
+    return None if far else best
 
 
 def vs_engine(
@@ -407,15 +404,8 @@ def _phase_table(rows: Sequence[tuple[str, str, int, Cell]]) -> list[str]:
         staged = cell.staged()
         blank = "n/a" if staged is None else None if staged else "-"
         phases = [blank or fmt(cell.phase_ms(p), 1) for p in kv_phases.PHASES]
-        return [
-            state,
-            name,
-            str(n),
-            "n/a" if staged is None else str(staged),
-            *phases,
-            fmt(cell.transfer_ms(), 1),
-            fmt(cell.ttft_ms(), 0),
-        ]
+        return [state, name, str(n), "n/a" if staged is None else str(staged), *phases,
+                fmt(cell.transfer_ms(), 1), fmt(cell.ttft_ms(), 0)]  # fmt: skip
 
     return [
         "Per phase of a staged send (bench.kv_phases): gather (prefill: blocks "

@@ -19,7 +19,7 @@ are (settle_decode), decode being scraped around each request too.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from pdstack import metrics as m
 
@@ -69,8 +69,3 @@ def staged(counters: Mapping[str, float]) -> bool | None:
     if not any(key(p) in counters for p in PHASES):
         return None
     return any(counters.get(key(p), 0.0) > 0 for p in PHASES)
-
-
-def phase_ms(counters: Iterable[Mapping[str, float]], phase: str) -> list[float]:
-    """A phase's milliseconds per staged request."""
-    return [c.get(key(phase), 0.0) * 1e3 for c in counters if staged(c)]
