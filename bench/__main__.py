@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import levels, report, settings
-from bench.hosts_link import HostsLinkError
+from bench.hosts_link import RATES, UNSHAPED, HostsLinkError
 
 # The commands on the bench's settings, and what each does.
 COMMANDS = {
@@ -28,7 +28,7 @@ OPTIONS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
     ("transfer", "--defaults-only", "skip the tuned series", {"action": "store_true"}),
     ("hosts-link", "--json", "write the results here", {"type": Path}),
     ("hosts-link", "--rates", "link rates, tc syntax; `unshaped` for none",
-     {"default": "unshaped,1gbit,5gbit"}),
+     {"default": ",".join(rate or UNSHAPED for rate in RATES)}),
     ("checksum", "--digest-only", "only the digest, in-process",
      {"action": "store_true"}),
     ("checksum", "--json", "--digest-only: write it here", {"type": Path}),
@@ -63,14 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         if opts.command == "transfer":
             from bench import transfer_engine
 
-            samples = transfer_engine.run(
-                chosen.transfer_sizes, chosen.transfer_repeats, progress=show
-            )
+            sizes_repeats = (chosen.transfer_sizes, chosen.transfer_repeats)
+            samples = transfer_engine.run(*sizes_repeats, progress=show)
             if not opts.defaults_only:
                 show(f"  tuned: {transfer_engine.TUNED_ENV}")
-                samples += transfer_engine.run_tuned(
-                    chosen.transfer_sizes, chosen.transfer_repeats, progress=show
-                )
+                samples += transfer_engine.run_tuned(*sizes_repeats, progress=show)
             if opts.json:
                 opts.json.write_text(json.dumps(transfer_engine.to_json(samples)))
             return 0
@@ -97,12 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 def _hosts_link(chosen: settings.Settings, rates: str, out: Path | None) -> int:
     from bench import hosts_link
 
-    results = hosts_link.measure(
-        chosen.hosts_link_size,
-        chosen.hosts_link_repeats,
-        hosts_link.parse_rates(rates),
-        progress=show,
-    )
+    size, repeats = chosen.hosts_link_size, chosen.hosts_link_repeats
+    results = hosts_link.measure(size, repeats, hosts_link.parse_rates(rates), show)
     if out:
         out.write_text(json.dumps(hosts_link.to_json(results)))
     for line in hosts_link.markdown_table(results):

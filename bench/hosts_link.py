@@ -29,14 +29,16 @@ from pdstack import netns
 
 TAG = "bl"  # its own /24; never "mh" (the multi-host twin) or "ut" (tests)
 HOST = "recv"
-DEFAULT_SIZE = 64 << 20
-DEFAULT_REPEATS = 3
 # None: the link unshaped (a veth pair through a bridge: no rate but the CPU's).
 RATES: tuple[str | None, ...] = (None, "1gbit", "5gbit")
 UNSHAPED = "unshaped"
 # The socket at this share of the rate or more: the link is the limit.
 LINK_LIMITED = 0.90
 METHODS = ("engine", "socket")
+# A rate's fields and figures in the report's summary.json.
+SUMMARY = ("rate", "link_bps", "engine_bps", "socket_bps", "engine_vs_link",
+           "socket_vs_link", "engine_vs_socket", "cpu_bound", "verified",
+           "error")  # fmt: skip
 
 
 class HostsLinkError(RuntimeError):
@@ -114,23 +116,12 @@ class Rate:
         return not self.error and not self.link_limited
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "rate": self.rate,
-            "link_bps": self.link_bps,
-            "engine_bps": self.engine_bps,
-            "socket_bps": self.socket_bps,
-            "engine_vs_link": self.engine_vs_link,
-            "socket_vs_link": self.socket_vs_link,
-            "engine_vs_socket": self.engine_vs_socket,
-            "cpu_bound": self.cpu_bound,
-            "verified": self.verified,
-            "error": self.error,
-        }
+        return {key: getattr(self, key) for key in SUMMARY}
 
 
 def measure(
-    size: int = DEFAULT_SIZE,
-    repeats: int = DEFAULT_REPEATS,
+    size: int,
+    repeats: int,
     rates: Sequence[str | None] = RATES,
     progress: Callable[[str], None] = print,
     network: netns.Network | None = None,

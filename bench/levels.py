@@ -31,7 +31,8 @@ METRICS = (
     ("p99_itl_ms", "ITL p99 ms"),
     ("output_throughput", "output tok/s"),
 )
-TARGETS = ("pd", "colocated")
+# Each target a level runs against, and its name in the report.
+TARGETS = {"pd": "P/D", "colocated": "colocated"}
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from bench.levels import (
     GIB,
     METRICS,
     MIB,
+    TARGETS,
     LevelResult,
     Pair,
     fmt,
@@ -44,7 +45,6 @@ from bench.settings import human_bytes
 from bench.targets import TUNED, Target, judge
 from pdstack import kv_layout
 
-TARGET_NAMES = {"pd": "P/D", "colocated": "colocated"}
 # The engine's series, in the order of the plot's legend and of the engine
 # table's GB/s columns: (te.Comparison's field, line style, label).
 ENGINE_SERIES = (
@@ -102,22 +102,16 @@ def comparison_table(pairs: Sequence[Pair]) -> list[str]:
 def kv_table(pairs: Sequence[Pair], model: kv_layout.KVLayout | None) -> list[str]:
     def cells(pair: Pair, cost: kv_transfer.TransferCost) -> list[str]:
         check = pair.layout(model)
-        verdict = (
-            "n/a (no layout model)"
-            if check is None
-            else (("OK: " if check.ok else "MISMATCH: ") + check.detail)
-        )
+        verdict = "n/a (no layout model)"
+        if check is not None:
+            verdict = ("OK: " if check.ok else "MISMATCH: ") + check.detail
         return [
-            str(pair.input_len),
-            str(pair.concurrency),
-            f"{cost.requests} / {cost.transfers}",
-            f"{cost.bytes_per_request:,.0f}",
+            str(pair.input_len), str(pair.concurrency),
+            f"{cost.requests} / {cost.transfers}", f"{cost.bytes_per_request:,.0f}",
             f"{cost.descriptors_per_transfer:.0f}",
-            f"{cost.seconds_per_transfer * 1e3:.1f}",
-            fmt_pct(cost.share_of_ttft),
-            f"{cost.mb_per_s:.0f}",
-            verdict,
-        ]
+            f"{cost.seconds_per_transfer * 1e3:.1f}", fmt_pct(cost.share_of_ttft),
+            f"{cost.mb_per_s:.0f}", verdict,
+        ]  # fmt: skip
 
     head = [
         "prompt", "conc.", "requests / transfers", "bytes/request",
@@ -282,7 +276,7 @@ def markdown(run: Run, plotted: bool) -> str:
     if failed:
         out += ["", "Failed requests (servers' logs are in the run directory's stack):"]
         out += [
-            f"- {TARGET_NAMES[lv.target]} {lv.input_len} x "
+            f"- {TARGETS[lv.target]} {lv.input_len} x "
             f"{lv.concurrency}: {lv.failed} of {lv.failed + lv.completed}: "
             f"{sorted(set(lv.errors))[0][:160] if lv.errors else ''}"
             for lv in failed
@@ -386,7 +380,7 @@ def plot(
                 if points:
                     ax.plot(*zip(*points, strict=True), style,
                             color=colors[i % len(colors)],
-                            label=f"{TARGET_NAMES[target]}, {length} tok")  # fmt: skip
+                            label=f"{TARGETS[target]}, {length} tok")  # fmt: skip
         ax.set_xscale("log", base=2)
         if concurrencies:
             ax.set_xticks(concurrencies, [str(c) for c in concurrencies])

@@ -214,20 +214,13 @@ def sweep_plan(s: Settings, urls: Urls, raw: Path, tokenizer: str) -> Plan:
         for target in order:
             name = report.level_name(target, length, conc)
             pd = target == "pd"
-            runs.append(
-                Level(
-                    target=target,
-                    base_url=urls.router if pd else urls.colocated,
-                    input_len=length,
-                    concurrency=conc,
-                    num_prompts=s.num_prompts(conc),
-                    # The same prompts for both targets, new ones per level.
-                    seed=s.seed + index,
-                    result_file=str(raw / f"{name}.json"),
-                    prefill_url=urls.prefill if pd else None,
-                    kv_file=str(raw / f"{name}.kv.json") if pd else None,
-                )
-            )
+            # The same prompts (seed) for both targets, new ones per level.
+            runs.append(Level(
+                target, urls.router if pd else urls.colocated, length, conc,
+                s.num_prompts(conc), s.seed + index, str(raw / f"{name}.json"),
+                urls.prefill if pd else None,
+                str(raw / f"{name}.kv.json") if pd else None,
+            ))  # fmt: skip
     timeout, budget = s.level_timeout_s, s.sweep_budget_s
     return Plan(s.model, tokenizer, s.output_len, timeout, tuple(runs), budget)
 
@@ -235,17 +228,11 @@ def sweep_plan(s: Settings, urls: Urls, raw: Path, tokenizer: str) -> Plan:
 def sweep_step(plan: Plan, out: Path, progress: Clock) -> None:
     plan_file = out / "plan.json"
     plan_file.write_text(json.dumps(plan.to_json(), indent=1))
-    deadline = (
-        min(len(plan.levels) * (plan.timeout_s + 60), plan.budget_s) + SWEEP_MARGIN_S
-    )
-    progress(
-        f"vllm bench serve sweep: {len(plan.levels)} runs, each at most "
-        f"{plan.timeout_s:.0f}s"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.vllm_bench", str(plan_file)],
-        start_new_session=True,
-    )
+    runs = len(plan.levels)
+    deadline = min(runs * (plan.timeout_s + 60), plan.budget_s) + SWEEP_MARGIN_S
+    progress(f"vllm bench serve sweep: {runs} runs, each at most {plan.timeout_s:.0f}s")
+    argv = [sys.executable, "-m", "bench.vllm_bench", str(plan_file)]
+    proc = subprocess.Popen(argv, start_new_session=True)
     record = supervisor.Record.of(proc.pid)
     try:
         proc.wait(timeout=deadline)
@@ -318,12 +305,9 @@ def _write_layout(s: Settings, urls: Urls, out: Path) -> None:
 def _tokenizer(s: Settings) -> str:
     if s.tokenizer:
         return s.tokenizer
-    chosen = config.profile(s.profile)
-    if chosen.get("generate") == "tiny":
-        from pdstack.tiny_model import ensure_models
-
-        return str(ensure_models(progress=print).target)
-    flags = chosen.get("vllm", {})
+    if tiny := config.tiny_substitutions(s.profile, print):
+        return tiny["tiny_target"]
+    flags = config.profile(s.profile).get("vllm", {})
     return str(flags.get("tokenizer") or flags["model"])
 
 
