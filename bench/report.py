@@ -245,10 +245,9 @@ def section(title: str, body: Sequence[str]) -> list[str]:
 def markdown(run: Run, plotted: bool) -> str:
     meta, checks, pairs, status = run.meta, run.checks, run.pairs, run.status
     comparisons, overhead, memory = run.comparisons, run.overhead, run.memory
-    profile = str(meta.get("profile", "tiny"))
     out = [f"# P/D vs colocated: bench run {meta.get('started', '')}", ""]
     if meta.get("stack"):
-        out += [f"Stack: {meta['stack']}. Profile `{profile}`.", ""]
+        out += [f"Stack: {meta['stack']}. Profile `{meta.get('profile', 'tiny')}`.", ""]
     if meta.get("machine"):
         out += [f"Machine: {meta['machine']}", ""]
     out += ["## Targets", "", *targets_table(checks)]
@@ -305,7 +304,7 @@ def markdown(run: Run, plotted: bool) -> str:
     if run.hosts_link:
         out += ["", *hl.markdown(run.hosts_link)]
     if overhead:
-        out += ["", "## Router overhead", ""]
+        out += section("Router overhead", [])
         runs = {"real stack": overhead, "stub backends": overhead.get("stubs")}
         for label, data in ((k, v) for k, v in runs.items() if v):
             for p in (50, 99):
@@ -328,28 +327,20 @@ def markdown(run: Run, plotted: bool) -> str:
                 f"`kv_transfer_params: {answered}`; decode leg sent after "
                 f"prefill answered: {cap.get('legs_in_order')}"
             )
-        if overhead.get("protocol_differences") is not None:
-            diffs = overhead["protocol_differences"]
+        if (diffs := overhead.get("protocol_differences")) is not None:
             out.append(
-                "- direct legs match the router's: "
-                + ("yes" if not diffs else "; ".join(diffs))
+                "- direct legs match the router's: " + ("; ".join(diffs) or "yes")
             )
     if run.startup:
-        out += ["", "## Start-up", ""]
-        for key, value in run.startup.items():
-            if isinstance(value, (int, float)):
-                out.append(f"- {key}: {value:.0f} s")
+        times = [(k, v) for k, v in run.startup.items() if isinstance(v, (int, float))]
+        out += section("Start-up", [f"- {key}: {value:.0f} s" for key, value in times])
     if memory:
-        out += [
-            "",
-            "## Peak memory of the P/D twin",
-            "",
-            f"- RSS sum {int(memory.get('rss_total', 0)) / GIB:.2f} GiB, "
-            f"PSS sum {int(memory.get('pss_total', 0)) / GIB:.2f} GiB "
-            f"over {memory.get('samples', 0)} samples",
-        ]
+        rss, pss = (int(memory.get(k, 0)) / GIB for k in ("rss_total", "pss_total"))
+        samples = memory.get("samples", 0)
+        line = f"- RSS sum {rss:.2f} GiB, PSS sum {pss:.2f} GiB over {samples} samples"
+        out += section("Peak memory of the P/D twin", [line])
     if meta.get("notes"):
-        out += ["", "## Notes", "", *(f"- {n}" for n in meta["notes"])]
+        out += section("Notes", [f"- {n}" for n in meta["notes"]])
     return "\n".join(out) + "\n"
 
 

@@ -95,24 +95,19 @@ def _kv_share_target(pairs: Sequence[Pair]) -> Target:
 def _stall_target(pairs: Sequence[Pair]) -> Target:
     """A stalled send resent (pd_mooncake.stall_guard) anywhere in the sweep."""
     name = "Mooncake stalls in the sweep (sends resent after no progress)"
-    measured = [p for p in pairs if p.kv_counters is not None]
-    if not measured:
+    levels = [p for p in pairs if p.kv_counters is not None]
+    if not levels:
         return Target(name, "0", "not measured", None)
     stalled = {
         f"{p.input_len} tokens x {p.concurrency}": int(n)
-        for p in measured
+        for p in levels
         if (n := (p.kv_counters or {}).get("retried_transfers", 0))
     }
     total = sum(stalled.values())
     where = ", ".join(f"{level}: {n}" for level, n in stalled.items())
-    return Target(
-        name,
-        "0",
-        f"{total} in {len(measured)} P/D levels" + (f" ({where})" if where else ""),
-        total == 0,
-        "",
-        advice("Mooncake stalls") if total else "",
-    )
+    measured = f"{total} in {len(levels)} P/D levels" + (f" ({where})" if where else "")
+    miss = advice("Mooncake stalls") if total else ""
+    return Target(name, "0", measured, total == 0, "", miss)
 
 
 def _interval(pair: Sequence[Any]) -> tuple[float, float] | None:
@@ -172,15 +167,11 @@ def _router_target(overhead: Mapping[str, Any] | None) -> Target:
     met = _router_met((low, high), (stub_low, stub_high))
     n = overhead.get("pairs") or len(overhead.get("samples", {}).get("router_ms", []))
     own = overhead.get("p50_router_own_ms")
-    return Target(
-        name,
-        target,
-        measured,
-        met,
+    note = (
         f"{n} pairs on the real stack, {stubs.get('pairs', 0)} on stubs; router's "
-        f"own time between its legs through recording proxies {fmt(own, 1)} ms",
-        advice("Router overhead"),
+        f"own time between its legs through recording proxies {fmt(own, 1)} ms"
     )
+    return Target(name, target, measured, met, note, advice("Router overhead"))
 
 
 def _engine_target(comparisons: Sequence[te.Comparison]) -> Target:
@@ -211,18 +202,15 @@ def _memory_target(memory: Mapping[str, Any] | None) -> Target:
         return Target(name, "<= 6 GiB", "not measured", None)
     rss = int(memory["rss_total"])
     pss = int(memory.get("pss_total") or 0)
-    measured = pss or rss
-    groups = memory.get("rss_by_group", {}).items()
-    return Target(
-        name,
-        "<= 6 GiB",
-        f"{measured / GIB:.2f} GiB" + ("" if pss else " (RSS; PSS not sampled)"),
-        measured <= MEMORY_TARGET_BYTES,
-        f"RSS sum {rss / GIB:.2f} GiB (shared pages counted in every process): "
-        + ", ".join(f"{k} {v / GIB:.2f}" for k, v in groups)
-        + " GiB",
-        advice("Memory"),
+    peak = pss or rss
+    measured = f"{peak / GIB:.2f} GiB" + ("" if pss else " (RSS; PSS not sampled)")
+    groups = ", ".join(
+        f"{k} {v / GIB:.2f}" for k, v in memory.get("rss_by_group", {}).items()
     )
+    note = f"RSS sum {rss / GIB:.2f} GiB (shared pages counted in every process): "
+    note += f"{groups} GiB"
+    met = peak <= MEMORY_TARGET_BYTES
+    return Target(name, "<= 6 GiB", measured, met, note, advice("Memory"))
 
 
 def _checksum_target(result: kv_checksum.Result | None) -> Target:
@@ -252,15 +240,12 @@ def _checksum_target(result: kv_checksum.Result | None) -> Target:
     wrong = result.as_intended()
     if wrong:
         note = f"not judged: {wrong}; {note}"
-    return Target(
-        name,
-        target,
+    measured = (
         f"{fmt_pct(cost[1])} ({cost[0]:+,.0f} ms: TTFT p50 "
-        f"{fmt(on.p50_ttft(), 0)} on vs {fmt(off.p50_ttft(), 0)} ms off)",
-        None if wrong else cost[1] <= CHECKSUM_SHARE_TARGET,
-        note,
-        advice("KV checksum cost"),
+        f"{fmt(on.p50_ttft(), 0)} on vs {fmt(off.p50_ttft(), 0)} ms off)"
     )
+    met = None if wrong else cost[1] <= CHECKSUM_SHARE_TARGET
+    return Target(name, target, measured, met, note, advice("KV checksum cost"))
 
 
 def _hosts_link_target(rates: Sequence[hl.Rate]) -> Target:
@@ -297,14 +282,8 @@ def _hosts_link_target(rates: Sequence[hl.Rate]) -> Target:
                for r in judged]  # fmt: skip
     met = all(reached) if judged else None
     worst = min((r.engine_vs_link or 0.0 for r in judged), default=0.0)
-    return Target(
-        name,
-        target,
-        "; ".join(parts),
-        met,
-        "; ".join(others),
-        advice("Engine between hosts", share=fmt_pct(worst)) if met is False else "",
-    )
+    miss = advice("Engine between hosts", share=fmt_pct(worst)) if met is False else ""
+    return Target(name, target, "; ".join(parts), met, "; ".join(others), miss)
 
 
 def _kv_path_verdict(
@@ -329,14 +308,9 @@ def _kv_path_verdict(
     notes = [n for n in (note, result.staging_note()) if n]
     if missing:
         notes.append("not measured: " + ", ".join(missing))
-    return Target(
-        name,
-        target,
-        "; ".join(f"{where}: {fmt_pct(v)}" for where, v in present),
-        met,
-        "; ".join(notes),
-        "" if met is not False else advice(label),
-    )
+    measured = "; ".join(f"{where}: {fmt_pct(v)}" for where, v in present)
+    miss = "" if met is not False else advice(label)
+    return Target(name, target, measured, met, "; ".join(notes), miss)
 
 
 def _staged_rate_target(
