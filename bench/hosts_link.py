@@ -24,7 +24,7 @@ from typing import Any
 
 from bench import loopback
 from bench import transfer_engine as te
-from bench.levels import fmt_gbps, fmt_pct, table
+from bench.levels import fmt_gbps, fmt_pct, ratio, table
 from pdstack import netns
 
 TAG = "bl"  # its own /24; never "mh" (the multi-host twin) or "ut" (tests)
@@ -87,21 +87,17 @@ class Rate:
     def link_bps(self) -> float | None:
         return rate_bps(self.rate)
 
-    def _of_link(self, value: float) -> float | None:
-        link = self.link_bps
-        return value / link if link else None
-
     @property
     def engine_vs_link(self) -> float | None:
-        return self._of_link(self.engine_bps)
+        return ratio(self.engine_bps, self.link_bps)
 
     @property
     def socket_vs_link(self) -> float | None:
-        return self._of_link(self.socket_bps)
+        return ratio(self.socket_bps, self.link_bps)
 
     @property
     def engine_vs_socket(self) -> float | None:
-        return self.engine_bps / self.socket_bps if self.socket_bps else None
+        return ratio(self.engine_bps, self.socket_bps)
 
     @property
     def link_limited(self) -> bool:

@@ -90,12 +90,9 @@ class TapServer:
         async def handle(request: web.Request) -> web.StreamResponse:
             body = await request.read()
             exchange = Exchange(
-                tap.name,
-                request.method,
-                request.path_qs,
-                _decode(body),
-                started=time.monotonic(),
+                tap.name, request.method, request.path_qs, _decode(body)
             )
+            exchange.started = time.monotonic()
             tap.exchanges.append(exchange)
             if tap.upstream is None:
                 return await self._stub(tap, request, exchange)

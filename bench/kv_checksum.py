@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import single_requests
-from bench.levels import fmt, fmt_pct, table
+from bench.levels import fmt, fmt_pct, read_json, table
 from bench.settings import Settings, human_bytes
 from bench.vllm_bench import Plan
 from pdstack import kv_layout
@@ -134,12 +134,9 @@ def read(run_dir: Path) -> Result | None:
                     [t for r in got if (t := r.transfer_ms()) is not None])
             for n, got in single_requests.read(where).items()
         }  # fmt: skip
-        if (where / STATE_FILE).exists():
-            states[state] = json.loads((where / STATE_FILE).read_text())
-    digest = root / DIGEST_FILE
-    return Result(
-        sides, states, json.loads(digest.read_text()) if digest.exists() else None
-    )
+        if (state_data := read_json(where / STATE_FILE)) is not None:
+            states[state] = state_data
+    return Result(sides, states, read_json(root / DIGEST_FILE))
 
 
 def summary(result: Result | None) -> dict[str, Any] | None:
@@ -313,7 +310,7 @@ def layout_for(path: Path | None, profile: str) -> kv_layout.KVLayout | None:
     from pdstack import config, tiny_model
 
     if path is not None and path.exists():
-        return kv_transfer.layout_from_json(json.loads(path.read_text()))
+        return kv_transfer.layout_from_json(read_json(path))
     if config.profile(profile).get("generate") != "tiny":
         return None
     models = tiny_model.ensure_models(progress=lambda _: None)

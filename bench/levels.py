@@ -5,9 +5,11 @@ prints. The report (bench.report) and the targets (bench.targets) read these.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench import kv_transfer
@@ -130,6 +132,11 @@ def fmt_ratio(value: float | None) -> str:
 
 def fmt_pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.1f}%"
+
+
+def read_json(path: Path) -> Any:
+    """A run directory's JSON file, None where the run did not write it."""
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def level_name(target: str, input_len: int, concurrency: int) -> str:

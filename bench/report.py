@@ -39,6 +39,7 @@ from bench.levels import (
     fmt_ratio,
     level_name,
     ratio,
+    read_json,
     table,
 )
 from bench.settings import human_bytes
@@ -60,11 +61,11 @@ ENGINE_SERIES = (
 def load_levels(raw: Path) -> tuple[list[LevelResult], dict[str, str]]:
     """Level results, and the status of every planned level (also failed ones)."""
     status = {
-        path.name.removesuffix(".status.json"): _read(path).get("status", "?")
+        path.name.removesuffix(".status.json"): read_json(path).get("status", "?")
         for path in sorted(raw.glob("*.status.json"))
     }
     levels = [
-        LevelResult.from_json(_read(path))
+        LevelResult.from_json(read_json(path))
         for path in sorted(raw.glob("*.json"))
         if not path.name.endswith((".status.json", ".kv.json"))
     ]
@@ -78,21 +79,19 @@ def pair_levels(levels: Sequence[LevelResult], raw: Path) -> list[Pair]:
     return [
         Pair(length, conc, by_key.get(("pd", length, conc)),
              by_key.get(("colocated", length, conc)),
-             _read(raw / f"{level_name('pd', length, conc)}.kv.json"))
+             read_json(raw / f"{level_name('pd', length, conc)}.kv.json"))
         for length, conc in sorted({(lv.input_len, lv.concurrency) for lv in levels})
     ]  # fmt: skip
 
 
 def comparison_table(pairs: Sequence[Pair]) -> list[str]:
     def cells(pair: Pair) -> list[str]:
-        ratios = pair.ratios()
         out = [str(pair.input_len), str(pair.concurrency)]
         for key, _ in METRICS:
             pd, colo = pair.value("pd", key), pair.value("colocated", key)
             digits = 0 if key == "output_throughput" or (pd or 0) >= 100 else 1
-            out.append(
-                f"{fmt(pd, digits)} / {fmt(colo, digits)} ({fmt_ratio(ratios[key])})"
-            )
+            shown = f"{fmt(pd, digits)} / {fmt(colo, digits)}"
+            out.append(f"{shown} ({fmt_ratio(ratio(pd, colo))})")
         return out
 
     head = ["prompt", "conc.", *(title for _, title in METRICS)]
@@ -150,10 +149,6 @@ def targets_table(checks: Sequence[Target]) -> list[str]:
     return table(["metric", "target", "measured", "met?"], map(cells, checks))
 
 
-def _read(path: Path) -> Any:
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 @dataclass(frozen=True)
 class Run:
     """A run directory, read once: what the summary, the Markdown and the plot
@@ -180,19 +175,19 @@ class Run:
     def read(cls, run_dir: Path) -> Run:
         raw = run_dir / "raw"
         levels, status = load_levels(raw) if raw.exists() else ([], {})
-        engine = _read(run_dir / "transfer_engine.json")
+        engine = read_json(run_dir / "transfer_engine.json")
         return cls(
             pairs=pair_levels(levels, raw),
             status=status,
             comparisons=te.compare(te.from_json(engine)) if engine else [],
-            overhead=_read(run_dir / "router_overhead.json"),
-            memory=_read(run_dir / "memory.json"),
+            overhead=read_json(run_dir / "router_overhead.json"),
+            memory=read_json(run_dir / "memory.json"),
             checksum=kv_checksum.read(run_dir),
-            hosts_link=hl.from_json(_read(run_dir / "hosts_link.json") or []),
+            hosts_link=hl.from_json(read_json(run_dir / "hosts_link.json") or []),
             kv_path=kv_path.read(run_dir),
-            meta=_read(run_dir / "meta.json") or {},
-            startup=_read(run_dir / "startup.json") or {},
-            model=kv_transfer.layout_from_json(_read(run_dir / "kv_layout.json")),
+            meta=read_json(run_dir / "meta.json") or {},
+            startup=read_json(run_dir / "startup.json") or {},
+            model=kv_transfer.layout_from_json(read_json(run_dir / "kv_layout.json")),
         )
 
 

@@ -93,8 +93,10 @@ def build_legs(
 
 
 def _check_params(
-    leg: str, params: Any, expected: Mapping[str, Any], problems: list[str]
+    leg: str, body: Mapping[str, Any], expected: Mapping[str, Any], problems: list[str]
 ) -> None:
+    """The leg's kv_transfer_params against ``expected`` (``str``: any string)."""
+    params = body.get("kv_transfer_params")
     if not isinstance(params, dict):
         problems.append(f"{leg}: kv_transfer_params is {params!r}")
         return
@@ -124,12 +126,8 @@ def differences(
             problems.append(
                 f"prefill: {key} is {prefill_leg.get(key)!r}, expected {want!r}"
             )
-    _check_params(
-        "prefill", prefill_leg.get("kv_transfer_params"), PREFILL_PARAMS, problems
-    )
-    _check_params(
-        "decode", decode_leg.get("kv_transfer_params"), DECODE_PARAMS, problems
-    )
+    _check_params("prefill", prefill_leg, PREFILL_PARAMS, problems)
+    _check_params("decode", decode_leg, DECODE_PARAMS, problems)
     p_params = prefill_leg.get("kv_transfer_params") or {}
     d_params = decode_leg.get("kv_transfer_params") or {}
     if isinstance(p_params, dict) and isinstance(d_params, dict):

@@ -31,6 +31,7 @@ CHECKSUM_INPUT_LEN = 4096
 HOSTS_LINK_TARGET = 0.90
 STAGED_VS_ENGINE_TARGET = 0.70
 STAGED_RATE_LENS = (1024, 4096)
+RATE_LENS = " and ".join(map(str, STAGED_RATE_LENS))
 FRAGMENTED_VS_FRESH_TARGET = 0.90
 STAGED_SHARE_TARGET = 0.01
 STAGED_SHARE_INPUT_LEN = 4096
@@ -117,9 +118,7 @@ def _interval(pair: Sequence[Any]) -> tuple[float, float] | None:
     return float(low), float(high)
 
 
-def _router_met(
-    real: Sequence[Any], stubs: Sequence[Any], target_ms: float = ROUTER_P50_TARGET_MS
-) -> bool | None:
+def _router_met(real: Sequence[Any], stubs: Sequence[Any]) -> bool | None:
     """Met only where a 95% interval of the p50 overhead lies wholly within
     the target, missed where one lies wholly above it, else unresolved (None).
 
@@ -129,6 +128,7 @@ def _router_met(
     stack's lower bound alone (on a noisy host it is below any target).
     """
     real_iv, stub_iv = _interval(real), _interval(stubs)
+    target_ms = ROUTER_P50_TARGET_MS
     if real_iv is not None and real_iv[0] > target_ms:
         return False
     if real_iv is not None and real_iv[1] <= target_ms:
@@ -318,8 +318,7 @@ def _staged_rate_target(
 ) -> Target:
     """The staged stack's rate (p50 bytes / transfer seconds) against the
     engine alone with one descriptor at the nearest size, both passes."""
-    lens = " and ".join(map(str, STAGED_RATE_LENS))
-    name = f"KV staging: stack rate vs engine bulk, {lens}-token prompts"
+    name = f"KV staging: stack rate vs engine bulk, {RATE_LENS}-token prompts"
     target = f">= {STAGED_VS_ENGINE_TARGET:.0%}"
     if result is None or not comparisons:
         why = "not measured" if result is None else "not measured (no engine results)"
@@ -343,8 +342,7 @@ def _staged_rate_target(
 def _fragmentation_target(result: kv_path.Result | None) -> Target:
     """Staged: the fragmented pass's rate over the fresh pass's; direct's
     ratio as the note (what staging is for)."""
-    lens = " and ".join(map(str, STAGED_RATE_LENS))
-    name = f"KV staging: fragmented rate vs fresh, {lens}-token prompts"
+    name = f"KV staging: fragmented rate vs fresh, {RATE_LENS}-token prompts"
     target = f">= {FRAGMENTED_VS_FRESH_TARGET:.0%}"
     if result is None:
         return Target(name, target, "not measured", None)

@@ -176,14 +176,15 @@ def run(plan: Plan) -> int:
         first_of_pair = partner and (i == 1 or keys[i - 2] != keys[i - 1])
         result = Path(level.result_file)
         status_file = result.with_suffix(".status.json")
+        name = f"[bench] level {i}/{len(keys)}"
         if remaining < (2 * MIN_LEVEL_S if first_of_pair else MIN_LEVEL_S):
             status_file.write_text(json.dumps({"status": "skipped: budget spent"}))
-            print(f"[bench] level {i}/{len(plan.levels)}: skipped, budget spent")
+            print(f"{name}: skipped, budget spent")
             continue
         timeout = min(level.timeout_s or plan.timeout_s,
                       remaining / 2 if first_of_pair else remaining)  # fmt: skip
         head = (
-            f"[bench] level {i}/{len(plan.levels)}: {level.target}, "
+            f"{name}: {level.target}, "
             f"{level.input_len} prompt tokens, concurrency {level.concurrency}, "
             f"{level.num_prompts} prompts (at most {timeout:.0f}s)"
         )
@@ -209,10 +210,8 @@ def run(plan: Plan) -> int:
         if level.kv_file and before is not None:
             delta = _kv_delta(level, before, decode_before, completed)
             Path(level.kv_file).write_text(json.dumps(delta, indent=1))
-        print(
-            f"[bench] level {i}/{len(plan.levels)}: {status} in {took:.0f}s", flush=True
-        )
-    return 1 if failures == len(plan.levels) else 0
+        print(f"{name}: {status} in {took:.0f}s", flush=True)
+    return 1 if failures == len(keys) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
