@@ -234,11 +234,6 @@ def digest_markdown(data: Mapping[str, Any]) -> list[str]:
 
 
 # -- the digest micro-benchmark -------------------------------------------------------
-def _median_seconds(fn: Callable[[], Any], rounds: int) -> float:
-    fn()  # warm: the digest's weight tables, the allocator
-    return statistics.median(timeit.repeat(fn, number=1, repeat=rounds))
-
-
 def digest_benchmark(
     layout: kv_layout.KVLayout,
     cache_bytes: int,
@@ -278,7 +273,9 @@ def digest_benchmark(
             torch.set_num_threads(threads)
             digests.add(tuple(int(d) for d in methods["digest"]()))
             for name in DIGEST_METHODS:
-                took = _median_seconds(methods[name], rounds)
+                methods[name]()  # warm: the digest's weight tables, the allocator
+                runs = timeit.repeat(methods[name], number=1, repeat=rounds)
+                took = statistics.median(runs)
                 gbps = nbytes / took / 1e9
                 results.append(
                     {"threads": threads, "method": name, "seconds": took, "GBps": gbps}
@@ -321,20 +318,18 @@ def layout_for(path: Path | None, profile: str) -> kv_layout.KVLayout | None:
     return kv_layout.layout(target, draft, dtype, block)
 
 
-def cache_bytes(profile: str) -> int:
+def digest_command(profile: str, layout_file: Path | None, out: Path | None) -> int:
+    """``python -m bench checksum --digest-only``: print the table, keep the JSON;
+    the cache as large as prefill's."""
     from pdstack import config
 
-    flags = config.vllm_flags("prefill", profile, "cpu")
-    return int(flags.get("kv-cache-memory-bytes") or 512 << 20)
-
-
-def digest_command(profile: str, layout_file: Path | None, out: Path | None) -> int:
-    """``python -m bench checksum --digest-only``: print the table, keep the JSON."""
     layout = layout_for(layout_file, profile)
     if layout is None:
         print(f"bench: no KV layout for profile {profile!r}: give --layout FILE")
         return 2
-    data = digest_benchmark(layout, cache_bytes(profile))
+    flags = config.vllm_flags("prefill", profile, "cpu")
+    cache = int(flags.get("kv-cache-memory-bytes") or 512 << 20)
+    data = digest_benchmark(layout, cache)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1))

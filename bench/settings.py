@@ -120,11 +120,6 @@ class Settings:
         return max(self.min_prompts, concurrency)
 
 
-def _env(env: Mapping[str, str], name: str, default: str) -> str:
-    value = env.get(name, "")
-    return value if value.strip() else default
-
-
 # A 0/1 option's type.
 SWITCH = (0, 1)
 URL_NAMES = ("router", "prefill", "decode", "colocated")
@@ -185,7 +180,8 @@ def add_arguments(
 ) -> None:
     env = os.environ if env is None else env
     for flag, var, default, kind, text in OPTIONS:
-        value = _env(env, var, default)
+        value = env.get(var, "")
+        value = value if value.strip() else default  # blanks count as unset
         number = int if kind is SWITCH else kind
         parser.add_argument(
             flag,
