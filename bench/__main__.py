@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench import hosts_link as hl
 from bench import levels, report, settings
-from bench.hosts_link import RATES, UNSHAPED, HostsLinkError
 
 # The commands on the bench's settings, and what each does.
 COMMANDS = {
@@ -28,7 +28,7 @@ OPTIONS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
     ("transfer", "--defaults-only", "skip the tuned series", {"action": "store_true"}),
     ("hosts-link", "--json", "write the results here", {"type": Path}),
     ("hosts-link", "--rates", "link rates, tc syntax; `unshaped` for none",
-     {"default": ",".join(rate or UNSHAPED for rate in RATES)}),
+     {"default": ",".join(rate or hl.UNSHAPED for rate in hl.RATES)}),
     ("checksum", "--digest-only", "only the digest, in-process",
      {"action": "store_true"}),
     ("checksum", "--json", "--digest-only: write it here", {"type": Path}),
@@ -72,7 +72,13 @@ def main(argv: list[str] | None = None) -> int:
                 opts.json.write_text(json.dumps(transfer_engine.to_json(samples)))
             return 0
         if opts.command == "hosts-link":
-            return _hosts_link(chosen, opts.rates, opts.json)
+            rates = hl.parse_rates(opts.rates)
+            links = hl.measure(chosen.hosts_link_size, chosen.hosts_link_repeats,
+                               rates, show)  # fmt: skip
+            if opts.json:
+                opts.json.write_text(json.dumps(hl.to_json(links)))
+            print("\n".join(hl.markdown_table(links)), flush=True)
+            return 1 if any(r.error for r in links) else 0
         if opts.command == "checksum" and opts.digest_only:
             from bench import kv_checksum
 
@@ -83,24 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         steps = {"checksum": run.checksum_only, "kv-path": run.kv_path_only}
         steps.get(opts.command, run.run)(chosen)
         return 0
-    except (settings.SettingsError, levels.ReportError, HostsLinkError) as exc:
+    except (settings.SettingsError, levels.ReportError, hl.HostsLinkError) as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("bench: interrupted; servers it started were stopped", file=sys.stderr)
         return 130
-
-
-def _hosts_link(chosen: settings.Settings, rates: str, out: Path | None) -> int:
-    from bench import hosts_link
-
-    size, repeats = chosen.hosts_link_size, chosen.hosts_link_repeats
-    results = hosts_link.measure(size, repeats, hosts_link.parse_rates(rates), show)
-    if out:
-        out.write_text(json.dumps(hosts_link.to_json(results)))
-    for line in hosts_link.markdown_table(results):
-        show(line)
-    return 1 if any(r.error for r in results) else 0
 
 
 if __name__ == "__main__":

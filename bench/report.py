@@ -117,8 +117,7 @@ def kv_table(pairs: Sequence[Pair], model: kv_layout.KVLayout | None) -> list[st
         "descriptors/transfer", "ms per transfer", "share of mean TTFT",
         "effective MB/s", "layout check",
     ]  # fmt: skip
-    costs = [(p, c) for p in pairs if (c := p.kv_cost()) is not None]
-    return table(head, (cells(p, c) for p, c in costs))
+    return table(head, (cells(p, c) for p in pairs if (c := p.kv_cost()) is not None))
 
 
 def engine_table(comparisons: Sequence[te.Comparison]) -> list[str]:
