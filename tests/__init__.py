@@ -1,0 +1,1 @@
+"""The repository-level tests (configs, manifests, preflight, bench, twin)."""
