@@ -202,6 +202,21 @@ def test_negative_control_retries_past_decodes_wait_overwrite_the_canary(
 # -- two decodes, one silent ---------------------------------------------------
 
 
+def wait_stopped(pid: int, deadline_s: float = 10.0) -> None:
+    """Until every thread of ``pid`` is stopped (state T in /proc)."""
+    tasks = Path(f"/proc/{pid}/task")
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        states = [
+            (t / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            for t in tasks.iterdir()
+        ]
+        if all(state in "Tt" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} not stopped after SIGSTOP in {deadline_s}s")
+
+
 def healthy_send_delay(executor: Any, silent: Decode, healthy: Decode) -> float:
     """Sends to a SIGSTOPped decode (a host gone silent: a real stall) fill
     the executor; then how long does one send to the healthy decode take?"""
@@ -227,8 +242,13 @@ def healthy_send_delay(executor: Any, silent: Decode, healthy: Decode) -> float:
         # Both sessions known first (Mooncake's handshake), as in service.
         assert await send(silent) == 0 and await send(healthy) == 0
         os.kill(silent.pid, signal.SIGSTOP)
+        # A signal stops a process only once each of its threads takes it: a
+        # send made before the receiving threads stopped is acknowledged at
+        # once (seen in CI: the pool was free again, 0.0015 s).
+        wait_stopped(silent.pid)
         stuck = [send(silent) for _ in range(4)]
         await asyncio.sleep(0.3)
+        assert not any(f.done() for f in stuck), "a send to the silent decode ended"
         start = time.monotonic()
         assert await asyncio.wait_for(send(healthy), DEADLINE_S) == 0
         took = time.monotonic() - start
