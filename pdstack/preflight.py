@@ -122,10 +122,6 @@ def models(
     return target, draft or _hub_config(str(spec["model"]), allow_download)
 
 
-# The flags as pdstack.serve renders them (one home: pdstack.config).
-substituted = config.substituted
-
-
 def profile_substitutions(profile: str) -> dict[str, str]:
     return config.tiny_substitutions(profile, lambda line: print(line, file=sys.stderr))
 
@@ -303,7 +299,7 @@ def run(
         )
         for role in roles:
             flags = {**config.vllm_flags(role, profile, "gpu"), **(overrides or {})}
-            rendered = substituted(flags, subs)
+            rendered = config.substituted(flags, subs)
             checks += [
                 check(profile, role, gpu, cap, rendered, model_config, draft_config)
                 for gpu, cap in gpus.items()

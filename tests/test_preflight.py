@@ -30,7 +30,7 @@ def set_gpu_flag(configs: Path, profile: str, key: str, value: Any) -> None:
 def tiny_configs() -> tuple[dict[str, Any], dict[str, Any]]:
     flags = config.vllm_flags("prefill", "tiny", "gpu")
     subs = preflight.profile_substitutions("tiny")
-    target, draft = preflight.models(preflight.substituted(flags, subs))
+    target, draft = preflight.models(config.substituted(flags, subs))
     assert draft is not None
     return target, draft
 

@@ -151,7 +151,7 @@ def test_device_copies_wait_on_the_devices_they_ran_on(monkeypatch) -> None:
     buffer = staging.Memory([buffer_tensor])
     rank5 = torch.device("cuda", 5)
     for memory in (kv, buffer):
-        memory.on_cpu, memory.devices = False, {rank5}
+        memory.devices = {rank5}
     waited: list[object] = []
     monkeypatch.setattr(
         torch.cuda, "synchronize", lambda device=None: waited.append(device)

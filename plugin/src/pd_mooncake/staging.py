@@ -147,7 +147,7 @@ class Memory:
             storages[s.data_ptr()] = flat
         self._starts = sorted(storages)
         self._tensors = [storages[a] for a in self._starts]
-        self.on_cpu = all(t.device.type == "cpu" for t in self._tensors)
+        # The devices other than the CPU this memory lies on (none: host memory).
         self.devices = {t.device for t in self._tensors if t.device.type != "cpu"}
 
     def _find(self, addr: int, nbytes: int) -> tuple[torch.Tensor, int] | None:
@@ -190,7 +190,7 @@ def copy(
         for addr, n in zip(addrs, lengths, strict=True):
             if not memory.contains(addr, n):
                 raise ValueError(f"{n} bytes at {addr:#x} are not registered memory")
-    if to.on_cpu and source.on_cpu:
+    if not to.devices and not source.devices:
         for d, s, n in zip(dsts, srcs, lengths, strict=True):
             ctypes.memmove(d, s, n)
         return
