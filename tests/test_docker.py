@@ -2,8 +2,8 @@
 
 No Docker engine: the Dockerfiles are linted with hadolint and read as text;
 the pieces that run inside the images (pdstack.route, serving-entrypoint.sh)
-run here. Checkers return their violations so negative controls can feed them
-broken input.
+run here. Checkers return their violations (negative controls feed them broken
+input).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import fnmatch
 import os
 import re
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,10 @@ from tests import manifests
 DOCKER = ROOT / "docker"
 SERVING = DOCKER / "serving.Dockerfile"
 ROUTER = DOCKER / "router.Dockerfile"
-DOCKERFILES = (SERVING, ROUTER)
+# Each image's Dockerfile -> the pdstack module its CMD runs.
+IMAGES = {SERVING: "pdstack.serve", ROUTER: "pdstack.route"}
+DOCKERFILES = tuple(IMAGES)
+TEXTS = {path.name: path.read_text() for path in DOCKERFILES}
 ENTRYPOINT_SCRIPT = DOCKER / "serving-entrypoint.sh"
 CPU_PINS = ROOT / "requirements" / "cpu.txt"
 
@@ -48,20 +51,10 @@ OCI_LABELS = (
 
 def instructions(text: str) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuations joined and comments dropped."""
-    result: list[tuple[str, str]] = []
-    pending = ""
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#") or (not stripped and not pending):
-            continue
-        if stripped.endswith("\\"):
-            pending += stripped[:-1] + " "
-            continue
-        whole = pending + stripped
-        pending = ""
-        keyword, _, rest = whole.partition(" ")
-        result.append((keyword.upper(), rest.strip()))
-    return result
+    lines = [line.strip() for line in text.splitlines()]
+    joined = "\n".join(line for line in lines if not line.startswith("#"))
+    steps = [step.partition(" ") for step in joined.replace("\\\n", " ").splitlines()]
+    return [(keyword.upper(), rest.strip()) for keyword, _, rest in steps if keyword]
 
 
 def global_args(text: str) -> dict[str, str]:
@@ -82,21 +75,11 @@ def final_stage(text: str) -> list[tuple[str, str]]:
     return steps[last_from:]
 
 
-def cpu_pins(text: str) -> dict[str, str]:
-    pins = {}
-    for line in text.splitlines():
-        line = line.split("#")[0].strip()
-        if "==" in line:
-            name, _, version = line.partition("==")
-            pins[name.strip()] = version.strip()
-    return pins
-
-
 # --- checkers --------------------------------------------------------------------
 
 
 def pin_violations(dockerfiles: Mapping[str, str], requirements: str) -> list[str]:
-    pins = cpu_pins(requirements)
+    pins = dict(re.findall(r"(?m)^\s*([^#\s=]+)\s*==\s*([^#\s]+)", requirements))
     problems = []
     for arg, (package, spelling) in PINS.items():
         found = {
@@ -182,21 +165,27 @@ def dockerignore_violations(ignore: str, dockerfiles: Mapping[str, str]) -> list
     return problems
 
 
-def _texts() -> dict[str, str]:
-    return {path.name: path.read_text() for path in DOCKERFILES}
-
-
-# --- lint ----------------------------------------------------------------------
+# --- the images: lint, pins, user, labels, entrypoints --------------------------
 
 
 def hadolint(path: Path) -> subprocess.CompletedProcess[str]:
     return manifests.run(manifests.tool("hadolint"), "--no-color", path)
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
-def test_hadolint_is_clean(dockerfile: Path) -> None:
+@pytest.mark.parametrize(
+    ("dockerfile", "module"), IMAGES.items(), ids=["serving", "router"]
+)
+def test_image_lints_clean_ends_non_root_labelled_and_runs_pdstack_under_tini(
+    dockerfile: Path, module: str
+) -> None:
     result = hadolint(dockerfile)
     assert result.returncode == 0, result.stdout + result.stderr
+    text = TEXTS[dockerfile.name]
+    assert user_violations(dockerfile.name, text) == []
+    assert label_violations(dockerfile.name, text) == []
+    stage = dict(final_stage(text))
+    assert stage["ENTRYPOINT"].startswith('["tini", "--"')
+    assert stage["CMD"] == f'["python3", "-m", "{module}"]'
 
 
 def test_hadolint_reports_problems(tmp_path: Path) -> None:
@@ -207,25 +196,22 @@ def test_hadolint_reports_problems(tmp_path: Path) -> None:
     assert "DL3007" in result.stdout  # latest tag
 
 
-# --- pins, user, labels, entrypoints ---------------------------------------------
-
-
 def test_docker_pins_equal_the_cpu_requirements() -> None:
-    assert pin_violations(_texts(), CPU_PINS.read_text()) == []
+    assert pin_violations(TEXTS, CPU_PINS.read_text()) == []
 
 
 def test_pin_check_catches_drift() -> None:
-    texts = _texts()
-    texts[SERVING.name] = texts[SERVING.name].replace(
+    serving = TEXTS[SERVING.name].replace(
         "ARG VLLM_VERSION=v0.32.0", "ARG VLLM_VERSION=v0.31.0"
     )
+    texts = {**TEXTS, SERVING.name: serving}
     assert pin_violations(texts, CPU_PINS.read_text()) == [
         "serving.Dockerfile: VLLM_VERSION=v0.31.0, requirements say v0.32.0"
     ]
 
 
 def test_serving_image_derives_from_the_pinned_vllm_image() -> None:
-    text = SERVING.read_text()
+    text = TEXTS[SERVING.name]
     froms = [rest for keyword, rest in instructions(text) if keyword == "FROM"]
     assert froms[-1] == "vllm/vllm-openai:${VLLM_VERSION}"
     assert "MOONCAKE_VERSION" in global_args(text)
@@ -234,18 +220,8 @@ def test_serving_image_derives_from_the_pinned_vllm_image() -> None:
     assert installs and all("--no-deps" in r for r in installs)
 
 
-@pytest.mark.parametrize(
-    "rule", [user_violations, label_violations], ids=["non-root", "oci-labels"]
-)
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
-def test_images_run_as_non_root_with_oci_labels(
-    dockerfile: Path, rule: Callable[[str, str], list[str]]
-) -> None:
-    assert rule(dockerfile.name, dockerfile.read_text()) == []
-
-
 def test_user_check_catches_root() -> None:
-    text = SERVING.read_text().replace("USER 10001:10001", "USER 0:0")
+    text = TEXTS[SERVING.name].replace("USER 10001:10001", "USER 0:0")
     assert user_violations("x", text) == [
         "x: final USER 0:0 must be a numeric non-root uid"
     ]
@@ -253,26 +229,15 @@ def test_user_check_catches_root() -> None:
 
 
 def test_label_check_catches_a_missing_label() -> None:
-    text = ROUTER.read_text().replace("org.opencontainers.image.licenses", "licence")
+    text = TEXTS[ROUTER.name].replace("org.opencontainers.image.licenses", "licence")
     assert label_violations("r", text) == [
         "r: missing label org.opencontainers.image.licenses"
     ]
 
 
-@pytest.mark.parametrize(
-    ("dockerfile", "module"),
-    [(SERVING, "pdstack.serve"), (ROUTER, "pdstack.route")],
-    ids=["serving", "router"],
-)
-def test_entrypoint_is_tini_and_cmd_runs_pdstack(dockerfile: Path, module: str) -> None:
-    stage = dict(final_stage(dockerfile.read_text()))
-    assert stage["ENTRYPOINT"].startswith('["tini", "--"')
-    assert stage["CMD"] == f'["python3", "-m", "{module}"]'
-
-
 def test_dockerignore_is_an_allowlist_covering_the_builds() -> None:
     ignore = (ROOT / ".dockerignore").read_text()
-    assert dockerignore_violations(ignore, _texts()) == []
+    assert dockerignore_violations(ignore, TEXTS) == []
 
 
 def test_dockerignore_sends_the_plugin_but_no_build_leftovers() -> None:
@@ -286,7 +251,7 @@ def test_dockerignore_sends_the_plugin_but_no_build_leftovers() -> None:
 
 def test_dockerignore_check_catches_a_missing_path() -> None:
     ignore = (ROOT / ".dockerignore").read_text().replace("!configs/\n", "")
-    assert dockerignore_violations(ignore, _texts()) == [
+    assert dockerignore_violations(ignore, TEXTS) == [
         "serving.Dockerfile: configs is excluded by .dockerignore",
         "router.Dockerfile: configs is excluded by .dockerignore",
     ]
