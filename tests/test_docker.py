@@ -9,6 +9,7 @@ input).
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import os
 import re
 import subprocess
@@ -59,14 +60,10 @@ def instructions(text: str) -> list[tuple[str, str]]:
 
 def global_args(text: str) -> dict[str, str]:
     """ARG defaults before the first FROM: the image pins."""
-    args: dict[str, str] = {}
-    for keyword, rest in instructions(text):
-        if keyword == "FROM":
-            break
-        if keyword == "ARG":
-            name, _, default = rest.partition("=")
-            args[name] = default
-    return args
+    before = itertools.takewhile(lambda step: step[0] != "FROM", instructions(text))
+    return dict(
+        rest.partition("=")[::2] for keyword, rest in before if keyword == "ARG"
+    )
 
 
 def final_stage(text: str) -> list[tuple[str, str]]:
