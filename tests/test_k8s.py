@@ -7,7 +7,7 @@ field fails), for the oldest and the newest Kubernetes we claim. Then the
 invariants of the compose stack are checked on the rendered objects (the
 rules both share are tests/manifests.py's), and what prefill, decode and the
 router would run is compared with what `docker compose config` gives them for
-the same profile. Each invariant is a function returning its violations, so a
+the same profile. Each invariant is a function yielding its violations, so a
 negative control can feed it a mutated rendering and see the violation
 reported.
 """
@@ -228,71 +228,62 @@ def quantity_bytes(text: str) -> int:
     return int(match[1]) * power.get(match[2] or "", 1)
 
 
-# --- invariant checkers: each returns a list of violations ------------------------
+# --- invariant checkers: each yields its violations --------------------------------
 
 
-def probe_violations(objects: list[Object]) -> list[str]:
+def probe_violations(objects: list[Object]) -> Iterator[str]:
     """Probes GET /health on the http port; servers also have a startupProbe."""
-    problems = []
     for name, workload in workloads(objects).items():
         container = main_container(workload)
-        required = ["readinessProbe", "livenessProbe"]
-        if name in SERVING:
-            required.append("startupProbe")
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = container.get(kind)
             if probe is None:
-                if kind in required:
-                    problems.append(f"{name}: no {kind}")
+                if kind != "startupProbe" or name in SERVING:
+                    yield f"{name}: no {kind}"
                 continue
             get = probe.get("httpGet") or {}
-            port = get.get("port")
-            on_http = port == "http" or port == named_port(container, "http")
+            on_http = get.get("port") in ("http", named_port(container, "http"))
             if get.get("path") != HEALTH or not on_http:
-                problems.append(f"{name}: {kind} must GET {HEALTH} on port http")
-    return problems
+                yield f"{name}: {kind} must GET {HEALTH} on port http"
 
 
-def security_violations(objects: list[Object]) -> list[str]:
+def security_violations(objects: list[Object]) -> Iterator[str]:
     """Non-root, nothing privileged, only the capabilities the role needs."""
-    problems = []
     for name, workload in workloads(objects).items():
         spec = pod(workload)
         context = spec.get("securityContext") or {}
         if context.get("runAsNonRoot") is not True or not context.get("runAsUser"):
-            problems.append(f"{name}: pod must set runAsNonRoot and a non-0 runAsUser")
+            yield f"{name}: pod must set runAsNonRoot and a non-0 runAsUser"
         # Host namespaces: NetworkPolicies stop applying, ports open on the node.
         for field in ("hostNetwork", "hostPID", "hostIPC"):
             if spec.get(field):
-                problems.append(f"{name}: {field} shares the node's namespace")
+                yield f"{name}: {field} shares the node's namespace"
         # A Service named router would inject ROUTER_PORT=tcp://... otherwise.
         if spec.get("enableServiceLinks") is not False:
-            problems.append(f"{name}: enableServiceLinks must be false")
+            yield f"{name}: enableServiceLinks must be false"
         for container in all_containers(workload):
             where = f"{name}/{container['name']}"
             own = container.get("securityContext") or {}
             if own.get("privileged"):
-                problems.append(f"{where}: privileged")
+                yield f"{where}: privileged"
             if own.get("allowPrivilegeEscalation") is not False:
-                problems.append(f"{where}: allowPrivilegeEscalation must be false")
+                yield f"{where}: allowPrivilegeEscalation must be false"
             if own.get("runAsUser") == 0 or own.get("runAsNonRoot") is False:
-                problems.append(f"{where}: runs as root")
+                yield f"{where}: runs as root"
             caps = own.get("capabilities") or {}
             if "ALL" not in caps.get("drop", []):
-                problems.append(f"{where}: must drop ALL capabilities")
+                yield f"{where}: must drop ALL capabilities"
             main = container["name"] == main_container(workload)["name"]
             allowed = ADDED_CAPABILITIES.get(name, set()) if main else set()
             added = set(caps.get("add", []))
             if added - allowed:
-                problems.append(f"{where}: adds {sorted(added - allowed)}")
+                yield f"{where}: adds {sorted(added - allowed)}"
             if main and name in SERVING and "IPC_LOCK" not in added:
-                problems.append(f"{name}: needs IPC_LOCK (RDMA pins memory)")
-    return problems
+                yield f"{name}: needs IPC_LOCK (RDMA pins memory)"
 
 
-def shm_violations(objects: list[Object]) -> list[str]:
+def shm_violations(objects: list[Object]) -> Iterator[str]:
     """Servers get a memory-backed, bounded /dev/shm (compose's shm_size)."""
-    problems = []
     for name, workload in servers(objects):
         mounts = {
             m["mountPath"]: m["name"]
@@ -301,10 +292,9 @@ def shm_violations(objects: list[Object]) -> list[str]:
         volumes = {v["name"]: v for v in pod(workload).get("volumes", [])}
         empty_dir = volumes.get(mounts.get("/dev/shm", ""), {}).get("emptyDir")
         if not empty_dir or empty_dir.get("medium") != "Memory":
-            problems.append(f"{name}: /dev/shm must be an emptyDir, medium Memory")
+            yield f"{name}: /dev/shm must be an emptyDir, medium Memory"
         elif not empty_dir.get("sizeLimit"):
-            problems.append(f"{name}: /dev/shm needs a sizeLimit")
-    return problems
+            yield f"{name}: /dev/shm needs a sizeLimit"
 
 
 def _secret_files(workload: Object, container: Object) -> set[str]:
@@ -327,16 +317,15 @@ def _secret_files(workload: Object, container: Object) -> set[str]:
     return files
 
 
-def secret_violations(objects: list[Object]) -> list[str]:
+def secret_violations(objects: list[Object]) -> Iterator[str]:
     """Secrets only as Secret-backed files (or secretKeyRef), never plain values."""
-    problems = []
     for o in objects:
         if o["kind"] == "ConfigMap":
-            problems += [
+            yield from (
                 f"ConfigMap {o['metadata']['name']}: secret {key} in a ConfigMap"
                 for key in o.get("data") or {}
                 if manifests.SECRET_NAME.search(key)
-            ]
+            )
     for name, workload in workloads(objects).items():
         for container in all_containers(workload):
             # secretKeyRef and friends are fine: only plain values are checked.
@@ -344,22 +333,17 @@ def secret_violations(objects: list[Object]) -> list[str]:
             plain = {e["name"]: str(e["value"]) for e in env if "value" in e}
             where = f"{name}/{container['name']}"
             files = _secret_files(workload, container)
-            problems += manifests.secret_env_violations(where, plain, files)
-    return problems
+            yield from manifests.secret_env_violations(where, plain, files)
 
 
-def image_violations(objects: list[Object], overlay: str) -> list[str]:
+def image_violations(objects: list[Object], overlay: str) -> Iterator[str]:
     """Every container runs compose's image for the same service."""
     expected = {name: s["image"] for name, s in compose_services(overlay).items()}
-    problems = []
     for name, workload in workloads(objects).items():
         for container in all_containers(workload):
             if container["image"] != expected.get(name):
-                problems.append(
-                    f"{name}/{container['name']}: image {container['image']}, "
-                    f"compose runs {expected.get(name)}"
-                )
-    return problems
+                where, image = f"{name}/{container['name']}", container["image"]
+                yield f"{where}: image {image}, compose runs {expected.get(name)}"
 
 
 def selects(selector: Object, labels: Mapping[str, str]) -> bool:
@@ -373,30 +357,28 @@ def selects(selector: Object, labels: Mapping[str, str]) -> bool:
     return ok
 
 
-def network_violations(objects: list[Object]) -> list[str]:
+def network_violations(objects: list[Object]) -> Iterator[str]:
     """Prefill and decode take ingress only from the stack's own pods."""
     pods = {name: pod_labels(w) for name, w in workloads(objects).items()}
     policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
-    problems = []
     for name in SERVING:
         selecting = [
             p for p in policies if selects(p["spec"]["podSelector"], pods[name])
         ]
         if not any("Ingress" in p["spec"].get("policyTypes", []) for p in selecting):
-            problems.append(f"{name}: no NetworkPolicy restricts its ingress")
+            yield f"{name}: no NetworkPolicy restricts its ingress"
         for policy in selecting:
             for rule in policy["spec"].get("ingress", []):
                 peers = rule.get("from") or []
                 if not peers:
-                    problems.append(f"{name}: an ingress rule admits every source")
+                    yield f"{name}: an ingress rule admits every source"
                 for peer in peers:
                     if set(peer) != {"podSelector"}:
-                        problems.append(f"{name}: ingress from outside the stack")
+                        yield f"{name}: ingress from outside the stack"
                     elif not any(
                         selects(peer["podSelector"], labels) for labels in pods.values()
                     ):
-                        problems.append(f"{name}: ingress from pods not in the stack")
-    return problems
+                        yield f"{name}: ingress from pods not in the stack"
 
 
 def pod_labels(workload: Object) -> dict[str, str]:
@@ -404,63 +386,61 @@ def pod_labels(workload: Object) -> dict[str, str]:
     return labels
 
 
-def service_violations(objects: list[Object]) -> list[str]:
+def service_violations(objects: list[Object]) -> Iterator[str]:
     """Prefill/decode: StatefulSets behind headless Services; the router's
     backends are their pods by stable name, on their http ports."""
-    problems = []
     found = workloads(objects)
     router_env = container_env(objects, main_container(found[ROUTER]))
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
     for name, workload in servers(objects):
         if workload["kind"] != "StatefulSet":
-            problems.append(f"{name}: must be a StatefulSet (stable pod names)")
+            yield f"{name}: must be a StatefulSet (stable pod names)"
             continue
         service_name = workload["spec"].get("serviceName", "")
         spec = services.get(service_name, {}).get("spec")
         if not spec or spec.get("clusterIP") != "None":
-            problems.append(f"{name}: serviceName must be a headless Service")
+            yield f"{name}: serviceName must be a headless Service"
         elif not selects({"matchLabels": spec["selector"]}, pod_labels(workload)):
-            problems.append(f"{name}: its Service does not select its pods")
+            yield f"{name}: its Service does not select its pods"
         # Names must not vanish from DNS on a readiness blip (prefill.yaml).
         elif spec.get("publishNotReadyAddresses") is not True:
-            problems.append(f"{name}: its Service must publishNotReadyAddresses")
+            yield f"{name}: its Service must publishNotReadyAddresses"
         url = urlsplit(router_env.get(f"{name.upper()}_URL", ""))
         expected_host = f"{workload['metadata']['name']}-0.{service_name}"
         if url.hostname != expected_host:
-            problems.append(f"router: {name.upper()}_URL must name {expected_host}")
+            yield f"router: {name.upper()}_URL must name {expected_host}"
         if url.port != named_port(main_container(workload), "http"):
-            problems.append(f"router: {name.upper()}_URL is not on {name}'s http port")
+            yield f"router: {name.upper()}_URL is not on {name}'s http port"
     # The init container must wait for the backends the router will use.
     for init in pod(found[ROUTER]).get("initContainers", []):
         env = container_env(objects, init)
         for variable in ("PREFILL_URL", "DECODE_URL"):
             if env.get(variable) != router_env.get(variable):
-                problems.append(f"router/{init['name']}: waits on another {variable}")
-    return problems
+                yield f"router/{init['name']}: waits on another {variable}"
 
 
-def port_violations(objects: list[Object], port_env: Mapping[str, str]) -> list[str]:
+def port_violations(
+    objects: list[Object], port_env: Mapping[str, str]
+) -> Iterator[str]:
     """Every port number is the one configs/ports.env sets: on the containers,
     their Services and in their environment."""
-    problems = []
     found = workloads(objects)
     for (name, port), variable in NAMED_PORTS.items():
         expected = int(port_env[variable])
         if named_port(main_container(found[name]), port) != expected:
-            problems.append(f"{name}: {port} port is not {variable}={expected}")
+            yield f"{name}: {port} port is not {variable}={expected}"
         service = find(objects, "Service", name)["spec"]["ports"]
         if {p["name"]: p["port"] for p in service}.get(port) != expected:
-            problems.append(f"Service {name}: {port} port is not {expected}")
+            yield f"Service {name}: {port} port is not {expected}"
     bootstrap = int(port_env["BOOTSTRAP_PORT"])
     annotations = found["prefill"]["spec"]["template"]["metadata"].get("annotations")
     if (annotations or {}).get("vllm.ai/bootstrap-port") != str(bootstrap):
-        problems.append("prefill: annotation vllm.ai/bootstrap-port is wrong")
+        yield "prefill: annotation vllm.ai/bootstrap-port is wrong"
     for name in (*SERVING, ROUTER):
         env = container_env(objects, main_container(found[name]))
         drift = {k: v for k, v in port_env.items() if env.get(k) != v}
         if drift:
-            problems.append(f"{name}: environment disagrees on {sorted(drift)}")
-    return problems
+            yield f"{name}: environment disagrees on {sorted(drift)}"
 
 
 def _gpus_per_role(profile_name: str) -> int:
@@ -472,35 +452,30 @@ def _gpus_per_role(profile_name: str) -> int:
     )
 
 
-def gpu_violations(objects: list[Object], profile_name: str) -> list[str]:
+def gpu_violations(objects: list[Object], profile_name: str) -> Iterator[str]:
     """Each server requests the GPUs its profile needs; the router none."""
-    problems = []
     expected = _gpus_per_role(profile_name)
     for name, workload in workloads(objects).items():
         limits = main_container(workload).get("resources", {}).get("limits", {})
         gpus = int(limits.get("nvidia.com/gpu", 0))
         want = expected if name in SERVING else 0
         if gpus != want:
-            problems.append(f"{name}: {gpus} GPUs, profile {profile_name} needs {want}")
-    return problems
+            yield f"{name}: {gpus} GPUs, profile {profile_name} needs {want}"
 
 
-def reference_violations(objects: list[Object]) -> list[str]:
+def reference_violations(objects: list[Object]) -> Iterator[str]:
     """ConfigMaps that pods read must be part of the rendering."""
     names = {o["metadata"]["name"] for o in objects if o["kind"] == "ConfigMap"}
-    problems = []
     for name, workload in workloads(objects).items():
         for container in all_containers(workload):
             for source in container.get("envFrom", []):
                 ref = source.get("configMapRef", {}).get("name")
                 if ref and ref not in names:
-                    problems.append(f"{name}/{container['name']}: no ConfigMap {ref}")
-    return problems
+                    yield f"{name}/{container['name']}: no ConfigMap {ref}"
 
 
-def placement_violations(objects: list[Object]) -> list[str]:
+def placement_violations(objects: list[Object]) -> Iterator[str]:
     """kimi-k2.5: each server alone on its node (no two prefill/decode pods)."""
-    problems = []
     for name, workload in servers(objects):
         terms = (
             (pod(workload).get("affinity") or {})
@@ -514,10 +489,8 @@ def placement_violations(objects: list[Object]) -> list[str]:
             for other, peer in servers(objects):
                 if selects(term["labelSelector"], pod_labels(peer)):
                     apart.add(other)
-        if apart != set(SERVING):
-            missing = sorted(set(SERVING) - apart)
-            problems.append(f"{name}: not kept off nodes with {missing}")
-    return problems
+        if missing := sorted(set(SERVING) - apart):
+            yield f"{name}: not kept off nodes with {missing}"
 
 
 def violations(objects: list[Object], overlay: str) -> list[str]:
@@ -640,7 +613,7 @@ def _break_secrets(objects: list[Object], found: dict[str, Object]) -> list[str]
     ],
 )
 def test_checker_catches_violations(
-    checker: Callable[[list[Object]], list[str]],
+    checker: Callable[[list[Object]], Iterator[str]],
     breaks: Callable[[list[Object], dict[str, Object]], list[str]],
 ) -> None:
     objects = render("tiny")
@@ -653,7 +626,7 @@ def test_shm_checker_catches_violations() -> None:
     found = workloads(objects)
     named(pod(found["prefill"])["volumes"], "dshm")["emptyDir"] = {}
     del named(pod(found["decode"])["volumes"], "dshm")["emptyDir"]["sizeLimit"]
-    assert shm_violations(objects) == [
+    assert list(shm_violations(objects)) == [
         "prefill: /dev/shm must be an emptyDir, medium Memory",
         "decode: /dev/shm needs a sizeLimit",
     ]
@@ -664,7 +637,7 @@ def test_image_checker_catches_violations() -> None:
     found = workloads(objects)
     main_container(found["decode"])["image"] = "vllm/vllm-openai:latest"
     pod(found[ROUTER])["initContainers"][0]["image"] = "curlimages/curl:8.0.0"
-    assert image_violations(objects, "tiny") == [
+    assert list(image_violations(objects, "tiny")) == [
         "router/wait-for-backends: image curlimages/curl:8.0.0, "
         "compose runs pd-mooncake/router:local",
         "decode/vllm: image vllm/vllm-openai:latest, "
@@ -679,7 +652,7 @@ def test_network_checker_catches_violations() -> None:
     ingress.append({"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]})
     ingress.append({"from": [{"podSelector": {"matchLabels": {"app": "other"}}}]})
     objects.remove(find(objects, "NetworkPolicy", "decode"))
-    assert network_violations(objects) == [
+    assert list(network_violations(objects)) == [
         "prefill: an ingress rule admits every source",
         "prefill: ingress from outside the stack",
         "prefill: ingress from pods not in the stack",
@@ -694,7 +667,7 @@ def test_service_checker_catches_violations() -> None:
     decode = workloads(objects)["decode"]
     router_env = main_container(workloads(objects)[ROUTER])["env"]
     named(router_env, "PREFILL_URL")["value"] = "http://prefill:8100"
-    assert service_violations(objects) == [
+    assert list(service_violations(objects)) == [
         "prefill: serviceName must be a headless Service",
         "router: PREFILL_URL must name prefill-0.prefill",
         "decode: its Service must publishNotReadyAddresses",
@@ -711,7 +684,7 @@ def test_port_checker_catches_violations() -> None:
     main_container(workloads(objects)["prefill"])["ports"][1]["containerPort"] = 9
     main_container(workloads(objects)[ROUTER])["ports"][1]["containerPort"] = 9
     find(objects, "Service", ROUTER)["spec"]["ports"][0]["port"] = 80
-    assert port_violations(objects, ports()) == [
+    assert list(port_violations(objects, ports())) == [
         "prefill: bootstrap port is not BOOTSTRAP_PORT=8998",
         "Service router: http port is not 8000",
         "router: metrics port is not ROUTER_METRICS_PORT=29000",
@@ -735,7 +708,7 @@ def test_gpu_checker_catches_violations() -> None:
 def test_reference_checker_catches_the_base_alone() -> None:
     # The base names pd-serving but only overlays generate it (PD_PROFILE
     # comes from the overlay, as compose requires it from .env).
-    assert reference_violations(render(BASE)) == [
+    assert list(reference_violations(render(BASE))) == [
         "decode/vllm: no ConfigMap pd-serving",
         "prefill/vllm: no ConfigMap pd-serving",
     ]
@@ -744,12 +717,12 @@ def test_reference_checker_catches_the_base_alone() -> None:
 
 def test_placement_checker_catches_violations() -> None:
     objects = render("kimi-k2.5")
-    assert placement_violations(objects) == []
+    assert list(placement_violations(objects)) == []
     affinity = pod(workloads(objects)["prefill"])["affinity"]["podAntiAffinity"]
     term = affinity["requiredDuringSchedulingIgnoredDuringExecution"][0]
     term["labelSelector"]["matchExpressions"][1]["values"] = ["prefill"]
     del pod(workloads(objects)["decode"])["affinity"]
-    assert placement_violations(objects) == [
+    assert list(placement_violations(objects)) == [
         "prefill: not kept off nodes with ['decode']",
         "decode: not kept off nodes with ['decode', 'prefill']",
     ]
