@@ -1,13 +1,20 @@
 """What several tests/ modules share: the twin's shapes, the bench's recorded
-run, its settings and report as a test reads them."""
+run, its settings and report as a test reads them, stub HTTP servers."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from aiohttp import web
+
 from bench import report, settings
+from pdstack.supervisor import HOST
 
 # The CPU twin's target and draft (tests/test_kv_layout.py checks them against
 # the generated pair).
@@ -39,3 +46,30 @@ def built(run_dir: Path) -> tuple[dict[str, Any], str]:
     """report.build's summary of a run directory and the report.md it wrote."""
     summary = report.build(run_dir)
     return summary, (run_dir / "report.md").read_text()
+
+
+@contextlib.contextmanager
+def serving(apps: dict[int, web.Application], **options: Any) -> Iterator[None]:
+    """Each app on its loopback port (port -> app), served by an event loop in
+    a daemon thread; ``options`` go to web.AppRunner."""
+    loop = asyncio.new_event_loop()
+    runners = [web.AppRunner(app, **options) for app in apps.values()]
+
+    async def start() -> None:
+        for runner, port in zip(runners, apps, strict=True):
+            await runner.setup()
+            await web.TCPSite(runner, HOST, port).start()
+
+    async def stop() -> None:
+        for runner in runners:
+            await runner.cleanup()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
+    try:
+        yield
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)

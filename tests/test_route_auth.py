@@ -10,10 +10,10 @@ forwarded request, and /health stays open.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import requests
@@ -21,6 +21,7 @@ from aiohttp import web
 
 from pdstack import route
 from pdstack.supervisor import free_port
+from tests.shared import serving
 
 KEY = "k-3f9a1c"
 CHUNKS = 3
@@ -71,31 +72,11 @@ class Upstream:
 def proxy() -> Iterator[tuple[str, Upstream]]:
     upstream = Upstream()
     up_port, proxy_port = free_port(), free_port()
-    loop = asyncio.new_event_loop()
-    runners: list[web.AppRunner] = []
-
-    async def start() -> None:
-        proxied = route.auth_proxy_app(KEY, f"http://127.0.0.1:{up_port}")
-        for app, port in ((upstream.app(), up_port), (proxied, proxy_port)):
-            runner = web.AppRunner(app, handler_cancellation=True)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
-
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
-    try:
+    proxied = route.auth_proxy_app(KEY, f"http://127.0.0.1:{up_port}")
+    with serving(
+        {up_port: upstream.app(), proxy_port: proxied}, handler_cancellation=True
+    ):
         yield f"http://127.0.0.1:{proxy_port}", upstream
-    finally:
-
-        async def stop() -> None:
-            for runner in runners:
-                await runner.cleanup()
-
-        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
 
 
 BODY = {"model": "pd-model", "prompt": "hi", "max_tokens": 2}
@@ -155,12 +136,7 @@ def test_a_client_that_leaves_closes_the_forwarded_request(
 ) -> None:
     url, upstream = proxy
     answer = streamed(url, "/v1/endless")
-    got: list[Any] = []
-    for line in answer.iter_lines():
-        if line:
-            got.append(line)
-        if len(got) == 3:
-            break
+    list(itertools.islice(filter(None, answer.iter_lines()), 3))
     answer.close()
     start = time.monotonic()
     assert upstream.disconnected.wait(timeout=10), "the router kept streaming"

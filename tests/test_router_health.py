@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from aiohttp import web
 
 from pdstack import config, supervisor
 from pdstack.supervisor import HOST, free_port
+from tests.shared import serving
 
 MODEL = "pd-model"
 # Longer than vllm-router's default timeout (5 s), shorter than the
@@ -48,12 +48,8 @@ class Stubs:
     def __init__(self) -> None:
         self.ports = {role: free_port() for role in ("prefill", "decode", "bootstrap")}
         self.delay_s = 0.0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-        assert self._ready.wait(10), "stub servers did not start"
 
-    def _app(self, role: str) -> web.Application:
+    def app(self, role: str) -> web.Application:
         async def completions(request: web.Request) -> web.Response:
             await request.read()
             choice = {"index": 0, "text": "x", "finish_reason": "length"}
@@ -84,17 +80,6 @@ class Stubs:
         app.router.add_get("/query", query)
         return app
 
-    def _run(self) -> None:
-        async def serve() -> None:
-            for role, port in self.ports.items():
-                runner = web.AppRunner(self._app(role))
-                await runner.setup()
-                await web.TCPSite(runner, HOST, port).start()
-            self._ready.set()
-            await asyncio.Event().wait()
-
-        self._loop.run_until_complete(serve())
-
     def urls(self) -> supervisor.Urls:
         return supervisor.Urls(
             router=f"http://{HOST}:{free_port()}",
@@ -105,8 +90,10 @@ class Stubs:
 
 
 @pytest.fixture(scope="module")
-def stubs() -> Stubs:
-    return Stubs()
+def stubs() -> Iterator[Stubs]:
+    stubs = Stubs()
+    with serving({port: stubs.app(role) for role, port in stubs.ports.items()}):
+        yield stubs
 
 
 @contextlib.contextmanager
