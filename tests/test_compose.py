@@ -1,10 +1,7 @@
 """compose.yaml: schema, invariants, and the vLLM flags it gives prefill and decode.
 
 No Docker engine is needed: every test reads the model the real Compose CLI
-renders (`docker compose config`, tests/manifests.py), with its includes,
-interpolation and profiles, so nothing here re-implements them. Each
-invariant is a function returning its violations, so a test can feed it a
-broken model (negative control) and see the violation reported.
+renders, and each invariant returns its violations (tests/manifests.py says why).
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from pdstack.compose import COMPOSE, DOTENV, PORTS_ENV, ROOT
 from pdstack.config import read_env_file
 from tests import manifests
 from tests.manifests import HEALTH, compose_cli, compose_config, environment, ports
-from tests.test_docker import user_violations
 
 DASHBOARDS = ROOT / "docker" / "monitoring" / "grafana" / "dashboards"
 PROVISIONING = ROOT / "docker" / "monitoring" / "grafana" / "provisioning"
@@ -103,31 +99,27 @@ def router_dependency_violations(model: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def _published(entry: Mapping[str, Any]) -> tuple[str, str, str]:
-    """(host ip, published port, target port) of a rendered `ports` entry."""
-    return (
-        str(entry.get("host_ip", "")),
-        str(entry.get("published", "")),
-        str(entry["target"]),
-    )
-
-
 def published(model: Mapping[str, Any]) -> dict[str, list[tuple[str, str, str]]]:
-    """Each service's published ports, as `_published` reads them."""
+    """Each service's published ports: (host ip, published port, target port)."""
     return {
-        name: [_published(entry) for entry in service.get("ports") or []]
+        name: [
+            (str(p.get("host_ip", "")), str(p.get("published", "")), str(p["target"]))
+            for p in service.get("ports") or []
+        ]
         for name, service in model["services"].items()
     }
 
 
-def port_violations(model: Mapping[str, Any], port_env: Mapping[str, str]) -> list[str]:
+def port_violations(model: Mapping[str, Any]) -> list[str]:
     problems = []
+    every = published(model)
     for name, service in model["services"].items():
-        for entry in service.get("ports") or []:
-            host_ip, published, target = _published(entry)
+        for entry, (host_ip, host_port, target) in zip(
+            service.get("ports") or [], every[name], strict=True
+        ):
             if name in PUBLISHED_OK:
-                port = port_env[PUBLISHED_OK[name]]
-                if (published, target) != (port, port):
+                port = ports()[PUBLISHED_OK[name]]
+                if (host_port, target) != (port, port):
                     problems.append(
                         f"{name}: publishes {entry}, expected {port}:{port}"
                     )
@@ -214,9 +206,11 @@ CHECKERS = (
 # --- schema ------------------------------------------------------------------
 
 
-def check_jsonschema(*files: Path) -> subprocess.CompletedProcess[str]:
+def check_jsonschema(
+    *files: Path | str, **options: Any
+) -> subprocess.CompletedProcess[str]:
     schema = ("--builtin-schema", "vendor.compose-spec")
-    return manifests.run(manifests.tool("check-jsonschema"), *schema, *files)
+    return manifests.run(manifests.tool("check-jsonschema"), *schema, *files, **options)
 
 
 def test_compose_files_match_the_compose_spec() -> None:
@@ -225,22 +219,16 @@ def test_compose_files_match_the_compose_spec() -> None:
 
 
 @each_profile_set
-def test_resolved_model_matches_the_compose_spec(
-    profiles: tuple[str, ...], tmp_path: Path
-) -> None:
-    path = tmp_path / "resolved.yaml"
-    path.write_text(yaml.safe_dump(compose_config(profiles)))
-    result = check_jsonschema(path)
+def test_resolved_model_matches_the_compose_spec(profiles: tuple[str, ...]) -> None:
+    result = check_jsonschema("-", input=json.dumps(compose_config(profiles)))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_schema_check_rejects_a_broken_file(tmp_path: Path) -> None:
+def test_schema_check_rejects_a_broken_model() -> None:
     model = compose_config()
     prefill = model["services"]["prefill"]
     prefill["helthcheck"] = prefill.pop("healthcheck")
-    path = tmp_path / "broken.yaml"
-    path.write_text(yaml.safe_dump(model))
-    assert check_jsonschema(path).returncode != 0
+    assert check_jsonschema("-", input=json.dumps(model)).returncode != 0
 
 
 def test_profiles_are_the_documented_ones() -> None:
@@ -254,8 +242,7 @@ def test_profiles_are_the_documented_ones() -> None:
 def test_invariants_hold(profiles: tuple[str, ...]) -> None:
     model = compose_config(profiles)
     problems = [p for check in CHECKERS for p in check(model)]
-    problems += port_violations(model, ports())
-    assert problems == []
+    assert problems + port_violations(model) == []
 
 
 def test_default_run_is_the_tcp_trio_publishing_only_the_router_port() -> None:
@@ -331,7 +318,7 @@ def test_port_checker_catches_violations() -> None:
     model["services"]["grafana"]["ports"] = [{"target": 3000, "published": "3000"}]
     model["services"]["router"]["ports"] = [{"target": 8000, "published": "9999"}]
     model["services"]["prefill"]["network_mode"] = "host"
-    problems = port_violations(model, ports())
+    problems = port_violations(model)
     assert len(problems) == 4, problems
 
 
@@ -378,13 +365,13 @@ def test_reference_checker_catches_violations() -> None:
 def test_required_settings_fail_fast(tmp_path: Path) -> None:
     dotenv = tmp_path / ".env"
     dotenv.write_text(re.sub(r"(?m)^PD_PROFILE=.*$", "", DOTENV.read_text()))
-    result = compose_cli("config", "--quiet", env_files=(dotenv,))
-    assert result.returncode != 0
-    assert "set PD_PROFILE in .env" in result.stderr
     # The shell wins over .env: an empty PD_PROFILE must stop Compose too.
-    result = compose_cli("config", "--quiet", env={"PD_PROFILE": ""})
-    assert result.returncode != 0
-    assert "set PD_PROFILE in .env" in result.stderr
+    for result in (
+        compose_cli("config", "--quiet", env_files=(dotenv,)),
+        compose_cli("config", "--quiet", env={"PD_PROFILE": ""}),
+    ):
+        assert result.returncode != 0
+        assert "set PD_PROFILE in .env" in result.stderr
 
 
 def test_ports_come_from_ports_env_and_can_be_overridden() -> None:
@@ -400,32 +387,23 @@ def test_ports_come_from_ports_env_and_can_be_overridden() -> None:
 # --- .env: every knob documented, no secret values ------------------------------
 
 
-def _compose_variables() -> dict[str, str | None]:
-    """Variable -> its default in the compose files as the CLI reads them;
-    None where compose has none to give (required; build args, which the
-    unnormalized model alone keeps, pass through unset)."""
-    found: dict[str, str | None] = {
+def test_every_knob_is_documented_in_dotenv() -> None:
+    documented = {
+        match[1]: match[2]
+        for line in DOTENV.read_text().splitlines()
+        if (match := re.fullmatch(r"#?([A-Z][A-Z0-9_]*)=(.*)", line.strip()))
+    }
+    # Each variable -> its default in the compose files as the CLI reads them;
+    # None where compose has none to give (required; build args, which the
+    # unnormalized model alone keeps, pass through unset).
+    used: dict[str, str | None] = {
         name: None if variable["Required"] else variable["DefaultValue"]
         for name, variable in compose_config(options=["--variables"]).items()
     }
     raw = compose_config(PROFILES, options=["--no-normalize"])
     for service in raw["services"].values():
-        found.update(dict.fromkeys((service.get("build") or {}).get("args") or {}))
-    return found
-
-
-def _documented_knobs() -> dict[str, str]:
-    knobs = {}
-    for line in DOTENV.read_text().splitlines():
-        match = re.fullmatch(r"#?([A-Z][A-Z0-9_]*)=(.*)", line.strip())
-        if match:
-            knobs[match[1]] = match[2]
-    return knobs
-
-
-def test_every_knob_is_documented_in_dotenv() -> None:
-    documented = _documented_knobs()
-    for name, default in _compose_variables().items():
+        used.update(dict.fromkeys((service.get("build") or {}).get("args") or {}))
+    for name, default in used.items():
         if name in ports():
             continue
         assert name in documented, f"{name} is used by compose but not in .env"
@@ -634,9 +612,9 @@ def test_compose_keeps_servers_private_non_root_and_secrets_out(
     tmp_path: Path,
 ) -> None:
     """With real secret files, in the model of every profile combination:
-    only the router is published, no service runs as root or privileged, the
-    images end non-root, and no secret value reaches the rendered output.
-    (Moved from the e2e fault suite: it needs no running stack.)"""
+    only the router is published, no service runs as root or privileged, and
+    no secret value reaches the rendered output (the images' final USER:
+    tests/test_docker.py). Moved from the e2e fault suite: it needs no stack."""
     secrets = {}
     for name in ("hf_token", "api_key", "grafana_admin_password"):
         secrets[name] = f"{name}-{os.urandom(8).hex()}"
@@ -650,7 +628,7 @@ def test_compose_keeps_servers_private_non_root_and_secrets_out(
     for profiles in PROFILE_SETS:
         model = compose_config(profiles, env)
         rendered += json.dumps(model)
-        problems += port_violations(model, ports()) + secret_violations(model)
+        problems += port_violations(model) + secret_violations(model)
         for name, service in model["services"].items():
             if str(service.get("user", "")).split(":")[0] in ("0", "root"):
                 problems.append(f"{name}: runs as root")
@@ -659,11 +637,8 @@ def test_compose_keeps_servers_private_non_root_and_secrets_out(
     default = published(compose_config((), env))
     internal = {ports()[k] for k in ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT")}
     exposed = {port for entries in default.values() for _, port, _ in entries}
-    images = sorted((ROOT / "docker").glob("*.Dockerfile"))
-    users = [v for f in images for v in user_violations(f.name, f.read_text())]
     leaked = [name for name, value in secrets.items() if value in rendered]
     assert problems == []
     assert [name for name, entries in default.items() if entries] == ["router"]
     assert not internal & exposed
-    assert users == []
     assert leaked == []

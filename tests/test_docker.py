@@ -233,6 +233,7 @@ def test_label_check_catches_a_missing_label() -> None:
 
 
 def test_dockerignore_is_an_allowlist_covering_the_builds() -> None:
+    assert set(DOCKER.glob("*.Dockerfile")) == set(DOCKERFILES)
     ignore = (ROOT / ".dockerignore").read_text()
     assert dockerignore_violations(ignore, TEXTS) == []
 
