@@ -14,7 +14,6 @@ reported.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import re
@@ -47,6 +46,7 @@ DOCS = ROOT / "docs" / "kubernetes.md"
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 
 Object = dict[str, Any]
+Serves = Callable[[list[str], Mapping[str, str]], str]  # the serves fixture
 # What an overlay renders to (and the schema check covers).
 KINDS = {"ConfigMap", "Service", "StatefulSet", "Deployment", "NetworkPolicy"}
 
@@ -762,14 +762,18 @@ def test_manifests_hold_no_port_numbers() -> None:
 
 
 @pytest.fixture
-def no_model_generation(monkeypatch: pytest.MonkeyPatch) -> None:
-    # pdstack.serve generates the tiny pair before printing; the comparison
-    # needs only the paths it would substitute.
+def serves(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Serves:
+    """manifests.served, bound to this test. pdstack.serve generates the tiny
+    pair before printing; the comparison needs only the paths it substitutes."""
+
     def ensure_models(*_: object, **__: object) -> SimpleNamespace:
         models = Path("/cache/pd-models/tiny")
         return SimpleNamespace(target=models / "target", draft=models / "draft")
 
     monkeypatch.setattr("pdstack.tiny_model.ensure_models", ensure_models)
+    return functools.partial(served, monkeypatch=monkeypatch, capsys=capsys)
 
 
 # Variables the manifests give the servers beyond compose's, and why.
@@ -805,13 +809,7 @@ def env_drift(
 
 @pytest.mark.parametrize("role", SERVING)
 @each_overlay
-def test_servers_run_what_compose_runs(
-    overlay: str,
-    role: str,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    no_model_generation: None,
-) -> None:
+def test_servers_run_what_compose_runs(overlay: str, role: str, serves: Serves) -> None:
     service = compose_services(overlay)[role]
     objects = render(overlay)
     container = main_container(workloads(objects)[role])
@@ -822,14 +820,14 @@ def test_servers_run_what_compose_runs(
     theirs, mine = environment(service), container_env(objects, container)
     assert mine["PD_PROFILE"] == OVERLAYS[overlay].profile
     assert env_drift(theirs, mine, K8S_ONLY_SERVING_ENV) == []
-    expected = served(service["command"], theirs, monkeypatch, capsys)
+    expected = serves(service["command"], theirs)
     engine_id = mine.pop("PD_ENGINE_ID", None)
-    assert served(container["args"], mine, monkeypatch, capsys) == expected
+    assert serves(container["args"], mine) == expected
     # Each prefill pod's own engine id (its name) is the only difference.
     assert (engine_id is not None) == (role == "prefill")
     if engine_id is not None:
         mine["PD_ENGINE_ID"] = engine_id
-        ours = served(container["args"], mine, monkeypatch, capsys)
+        ours = serves(container["args"], mine)
         assert ours == expected.replace(
             '"engine_id":"pd-prefill"', '"engine_id":"<field metadata.name>"'
         )
@@ -839,11 +837,7 @@ def test_servers_run_what_compose_runs(
     assert f'"kv_role":"{manifests.KV_ROLE[role]}"' in expected
 
 
-def test_server_comparison_catches_drift(
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    no_model_generation: None,
-) -> None:
+def test_server_comparison_catches_drift(serves: Serves) -> None:
     service = compose_services("kimi-k2.5")["decode"]
     objects = render("kimi-k2.5")
     configmap(objects, "PD_PROFILE")["data"]["PD_GPU_MEMORY_UTILIZATION"] = "0.5"
@@ -854,13 +848,13 @@ def test_server_comparison_catches_drift(
         "PD_GPU_MEMORY_UTILIZATION: compose '', k8s '0.5'",
         "WITH_NVIDIA_PEERMEM: set by compose only",
     ]
-    expected = served(service["command"], theirs, monkeypatch, capsys)
-    drifted = served(container["args"], mine, monkeypatch, capsys)
+    expected = serves(service["command"], theirs)
+    drifted = serves(container["args"], mine)
     assert "--gpu-memory-utilization 0.5" in drifted
     assert drifted != expected
     # A role swapped in the args is caught by the same comparison.
     swapped = [*container["args"][:4], "prefill", *container["args"][5:]]
-    assert served(swapped, theirs, monkeypatch, capsys) != expected
+    assert serves(swapped, theirs) != expected
 
 
 def router_launch(env: Mapping[str, str]) -> list[str]:
@@ -900,44 +894,36 @@ def test_router_comparison_catches_drift() -> None:
     assert router_launch(mine) != router_launch(theirs)
 
 
-def startup_budget_s(container: Object) -> float:
-    probe = container["startupProbe"]
-    return float(probe["failureThreshold"] * probe.get("periodSeconds", 10))
-
-
 @each_overlay
-def test_start_budgets_cover_compose_and_each_other(overlay: str) -> None:
+def test_start_budgets_shm_and_grace_period_cover_compose(overlay: str) -> None:
     services = compose_services(overlay)
     objects = render(overlay)
     found = workloads(objects)
     budgets = []
     for role in SERVING:
-        start_period = duration_s(services[role]["healthcheck"]["start_period"])
-        budget = startup_budget_s(main_container(found[role]))
+        spec, service = pod(found[role]), services[role]
+        start_period = duration_s(service["healthcheck"]["start_period"])
+        probe = main_container(found[role])["startupProbe"]
+        budget = float(probe["failureThreshold"] * probe.get("periodSeconds", 10))
         assert budget >= start_period, role
         budgets.append(budget)
-    # The router's wait must outlast the servers' own startup budget.
-    init = pod(found[ROUTER])["initContainers"][0]
-    assert float(container_env(objects, init)["PD_WAIT_TIMEOUT_S"]) >= max(budgets)
-
-
-@each_overlay
-def test_shm_and_grace_period_match_compose(overlay: str) -> None:
-    services = compose_services(overlay)
-    found = workloads(render(overlay))
-    for role in SERVING:
-        spec, service = pod(found[role]), services[role]
         shm = named(spec["volumes"], "dshm")["emptyDir"]["sizeLimit"]
         assert quantity_bytes(shm) >= int(service["shm_size"])
         grace = duration_s(service["stop_grace_period"])
         assert spec["terminationGracePeriodSeconds"] == grace
+    # The router's wait must outlast the servers' own startup budget.
+    init = pod(found[ROUTER])["initContainers"][0]
+    assert float(container_env(objects, init)["PD_WAIT_TIMEOUT_S"]) >= max(budgets)
 
 
 def role_neutral(workload: Object) -> Object:
     """A server's pod template with what legitimately differs by role removed:
     the role names, the bootstrap server and the engine id (prefill only) and
     port numbers."""
-    template = copy.deepcopy(workload["spec"]["template"])
+    text = json.dumps(workload["spec"]["template"])
+    for role in SERVING:
+        text = text.replace(role, "ROLE")
+    template: Object = json.loads(text)
     template["metadata"].pop("annotations", None)
     for container in template["spec"]["containers"]:
         container["env"] = [
@@ -948,16 +934,11 @@ def role_neutral(workload: Object) -> Object:
             for p in container.get("ports", [])
             if p["name"] != "bootstrap"
         ]
-    text = json.dumps(template)
-    for role in SERVING:
-        text = text.replace(role, "ROLE")
-    neutral: Object = json.loads(text)
-    return neutral
+    return template
 
 
 def role_drift(objects: list[Object]) -> list[str]:
-    found = workloads(objects)
-    prefill, decode = (role_neutral(found[r]) for r in SERVING)
+    prefill, decode = (role_neutral(workloads(objects)[r]) for r in SERVING)
     return _differences(prefill, decode, "template")
 
 
