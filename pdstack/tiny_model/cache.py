@@ -50,13 +50,6 @@ def load_probes(models: TinyModels) -> list[Probe]:
     return [Probe(p["prompt"], p["greedy"]) for p in data["probes"]]
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get("PD_MODEL_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path("~/.cache/pd-mooncake/models").expanduser()
-
-
 # --- determinism --------------------------------------------------------------
 @contextlib.contextmanager
 def deterministic_torch() -> Iterator[None]:
@@ -150,7 +143,9 @@ def ensure_models(
     The directory name carries the generator stamp, and a generation happens in
     a temp dir renamed into place only when complete, so a killed run never
     leaves a directory that looks valid."""
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if cache_dir is None:
+        cache_dir = os.environ.get("PD_MODEL_CACHE") or "~/.cache/pd-mooncake/models"
+    cache_dir = Path(cache_dir).expanduser()
     stamp = params.generator_stamp()
     final = cache_dir / f"pd-tiny-dsv2-eagle3-{stamp[:16]}"
     models = TinyModels(target=final / "target", draft=final / "draft")

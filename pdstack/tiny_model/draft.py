@@ -132,17 +132,13 @@ def init_draft_weights(config: dict[str, Any]) -> dict[str, torch.Tensor]:
 def save_draft(
     config: dict[str, Any], weights: dict[str, torch.Tensor], out_dir: Path
 ) -> None:
+    import torch
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     check_draft_weights({k: tuple(v.shape) for k, v in weights.items()}, config)
-    tensors = {k: v.to(_torch_dtype()).contiguous() for k, v in sorted(weights.items())}
+    dtype = getattr(torch, params.DTYPE)
+    tensors = {k: v.to(dtype).contiguous() for k, v in sorted(weights.items())}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     verify_draft_checkpoint(out_dir)
-
-
-def _torch_dtype() -> torch.dtype:
-    import torch
-
-    return getattr(torch, params.DTYPE)

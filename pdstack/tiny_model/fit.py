@@ -3,7 +3,6 @@ probe set (see the package docstring for why)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,14 +39,6 @@ def _probe_group(
             body = torch.randint(low, len(tokenizer), (length - 1,), generator=gen)
         rows.append(torch.cat([torch.tensor([bos]), body]))
     return torch.stack(rows)
-
-
-def _probe_groups(tokenizer: PreTrainedTokenizerFast) -> list[torch.Tensor]:
-    """The fixed probe set, one [count, length] tensor per PROBE_GROUPS entry."""
-    import torch
-
-    gen = torch.Generator().manual_seed(params.SEED + 2)
-    return [_probe_group(tokenizer, n, count, gen) for n, count in params.PROBE_GROUPS]
 
 
 # --- fit ----------------------------------------------------------------------
@@ -102,29 +93,6 @@ def _accuracy(
     return ((features @ head.T).argmax(-1) == labels).float().mean().item()
 
 
-@dataclasses.dataclass(frozen=True)
-class FitSamples:
-    features: torch.Tensor
-    labels: torch.Tensor
-    weights: torch.Tensor
-    continuations: torch.Tensor  # [count, PROBE_MAX_TOKENS] target greedy tokens
-
-
-def _fit_samples(
-    model: Any, weights: dict[str, torch.Tensor], prompts: torch.Tensor
-) -> FitSamples:
-    """Greedy-continue one probe group with the target and turn it into draft
-    training samples."""
-    import torch
-
-    embed = model.get_input_embeddings().weight.detach()
-    start = prompts.shape[1] - 1
-    with torch.no_grad():
-        trace = greedy_trace(model, prompts, params.PROBE_MAX_TOKENS)
-        feats, labels, sample_w = draft_training_set(weights, embed, trace, start)
-    return FitSamples(feats, labels, sample_w, trace.greedy[:, start:-1])
-
-
 def build_draft(
     model: Any, tokenizer: PreTrainedTokenizerFast, progress: Callable[[str], None]
 ) -> tuple[dict, dict, list[dict], dict]:
@@ -134,21 +102,26 @@ def build_draft(
 
     config = draft_config(len(tokenizer), special_ids(tokenizer))
     weights = init_draft_weights(config)
+    embed = model.get_input_embeddings().weight.detach()
+    # The fixed probe set: one [count, length] group per PROBE_GROUPS entry,
+    # greedy-continued by the target and turned into draft training samples.
+    gen = torch.Generator().manual_seed(params.SEED + 2)
     samples, probes = [], []
-    for prompts in _probe_groups(tokenizer):
+    for length, count in params.PROBE_GROUPS:
+        prompts = _probe_group(tokenizer, length, count, gen)
         progress(
             f"  probes: {len(prompts)} x {prompts.shape[1]} tokens "
             f"+ {params.PROBE_MAX_TOKENS} greedy"
         )
-        fit = _fit_samples(model, weights, prompts)
-        samples.append(fit)
+        start = prompts.shape[1] - 1
+        with torch.no_grad():
+            trace = greedy_trace(model, prompts, params.PROBE_MAX_TOKENS)
+            samples.append(draft_training_set(weights, embed, trace, start))
         probes += [
             {"prompt": p.tolist(), "greedy": c.tolist()}
-            for p, c in zip(prompts, fit.continuations, strict=True)
+            for p, c in zip(prompts, trace.greedy[:, start:-1], strict=True)
         ]
-    feats = torch.cat([f.features for f in samples])
-    labels = torch.cat([f.labels for f in samples])
-    sample_w = torch.cat([f.weights for f in samples])
+    feats, labels, sample_w = map(torch.cat, zip(*samples, strict=True))
     progress(f"  fitting draft lm_head on {len(labels)} samples")
     head = fit_lm_head(feats, labels, sample_w, config["draft_vocab_size"])
     weights["lm_head.weight"] = head

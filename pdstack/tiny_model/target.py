@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdstack.tiny_model import params
-from pdstack.tiny_model.tokenizer import special_ids
+from pdstack.tiny_model.tokenizer import SPECIAL_IDS, special_ids
 
 if TYPE_CHECKING:
     import torch
@@ -64,11 +64,8 @@ def save_target(model: Any, out_dir: Path) -> None:
 
     model.save_pretrained(out_dir)
     # Only token ids: vLLM copies sampling fields from here into its defaults.
-    GenerationConfig(
-        bos_token_id=model.config.bos_token_id,
-        eos_token_id=model.config.eos_token_id,
-        pad_token_id=model.config.pad_token_id,
-    ).save_pretrained(out_dir)
+    ids = {k: getattr(model.config, k) for k in SPECIAL_IDS}
+    GenerationConfig(**ids).save_pretrained(out_dir)
 
 
 # --- capture target hidden states ---------------------------------------------

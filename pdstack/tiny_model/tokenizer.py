@@ -47,9 +47,10 @@ def build_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     return fast
 
 
+# The config fields of params.SPECIAL_TOKENS, in order.
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def special_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
-    return {
-        "bos_token_id": tokenizer.convert_tokens_to_ids(params.BOS_TOKEN),
-        "eos_token_id": tokenizer.convert_tokens_to_ids(params.EOS_TOKEN),
-        "pad_token_id": tokenizer.convert_tokens_to_ids(params.PAD_TOKEN),
-    }
+    ids = tokenizer.convert_tokens_to_ids(list(params.SPECIAL_TOKENS))
+    return dict(zip(SPECIAL_IDS, ids, strict=True))
