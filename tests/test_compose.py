@@ -139,16 +139,13 @@ def port_violations(model: Mapping[str, Any]) -> list[str]:
 def gpu_violations(model: Mapping[str, Any]) -> list[str]:
     problems = []
     for name, service in model["services"].items():
-        reservations = (
-            service.get("deploy", {}).get("resources", {}).get("reservations")
-        )
-        devices = (reservations or {}).get("devices", [])
+        resources = service.get("deploy", {}).get("resources", {})
+        devices = (resources.get("reservations") or {}).get("devices", [])
         for device in devices:
             if "device_ids" in device and "count" in device:
                 problems.append(f"{name}: `count` beside `device_ids`")
-            if device.get("driver") != "nvidia" or "gpu" not in device.get(
-                "capabilities", []
-            ):
+            capabilities = device.get("capabilities", [])
+            if device.get("driver") != "nvidia" or "gpu" not in capabilities:
                 problems.append(f"{name}: GPU reservation needs nvidia + [gpu]")
         if name in SERVERS and not any("device_ids" in d for d in devices):
             problems.append(f"{name}: GPUs must be pinned with device_ids")
@@ -419,10 +416,11 @@ def test_dotenv_holds_no_secret_values() -> None:
 
 # --- the vLLM flags compose gives prefill and decode -----------------------------
 
+# configs/profiles/: the model profiles (not compose's).
+MODEL_PROFILES = sorted(p.stem for p in (config.CONFIGS / "profiles").glob("*.yaml"))
 # configs/targets/cpu.yaml's `vllm:` keys and a profile's own per-target
-# settings: what the CPU twin changes for a CPU (block size, eager mode, batch
-# size, step token budget, KV cache size, the tiny profile's dtype). Nothing
-# else may differ from a GPU host.
+# settings: what the CPU twin changes for a CPU. Nothing else may differ from
+# a GPU host.
 DEVICE_DIFFERENCES = {
     "block-size",
     "dtype",
@@ -437,8 +435,8 @@ def test_documented_device_differences_are_the_target_files() -> None:
     targets = {
         key for name in config.TARGETS for key in config.target(name).get("vllm", {})
     }
-    for path in (config.CONFIGS / "profiles").glob("*.yaml"):
-        for settings in config.profile(path.stem).get("targets", {}).values():
+    for name in MODEL_PROFILES:
+        for settings in config.profile(name).get("targets", {}).values():
             targets |= set(settings or {})
     assert targets == DEVICE_DIFFERENCES
 
@@ -448,9 +446,7 @@ def flag_differences(gpu: Mapping[str, Any], cpu: Mapping[str, Any]) -> set[str]
 
 
 @pytest.mark.parametrize("role", config.ROLES)
-@pytest.mark.parametrize(
-    "profile", sorted(p.stem for p in (config.CONFIGS / "profiles").glob("*.yaml"))
-)
+@pytest.mark.parametrize("profile", MODEL_PROFILES)
 def test_gpu_flags_equal_the_cpu_twin_except_device_differences(
     role: str, profile: str
 ) -> None:
