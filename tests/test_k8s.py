@@ -61,16 +61,15 @@ ROUTER = "router"
 class Twin:
     """The compose services that an overlay deploys on Kubernetes."""
 
-    profile: str
     compose_profiles: tuple[str, ...]
     trio: tuple[str, str, str]  # compose's prefill, decode, router
 
 
-# Each overlay and its compose counterpart: tiny is the default trio (TCP);
-# kimi-k2.5 is the `rdma` trio with PD_PROFILE=kimi-k2.5.
+# Each overlay, named after the profile it deploys (PD_PROFILE), and its
+# compose counterpart: tiny is the default trio (TCP); kimi-k2.5 the `rdma` trio.
 OVERLAYS = {
-    "tiny": Twin("tiny", (), manifests.TCP_TRIO),
-    "kimi-k2.5": Twin("kimi-k2.5", ("rdma",), manifests.RDMA_TRIO),
+    "tiny": Twin((), manifests.TCP_TRIO),
+    "kimi-k2.5": Twin(("rdma",), manifests.RDMA_TRIO),
 }
 each_overlay = pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 # Each workload's named ports and the configs/ports.env variable each carries
@@ -121,11 +120,8 @@ def find(objects: list[Object], kind: str, name: str) -> Object:
 
 
 def workloads(objects: list[Object]) -> dict[str, Object]:
-    return {
-        o["metadata"]["name"]: o
-        for o in objects
-        if o["kind"] in ("StatefulSet", "Deployment")
-    }
+    kinds = ("StatefulSet", "Deployment")
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] in kinds}
 
 
 def servers(objects: list[Object]) -> list[tuple[str, Object]]:
@@ -156,10 +152,8 @@ def named(items: list[Object], name: str) -> Object:
 
 
 def named_port(container: Object, name: str) -> int | None:
-    for port in container.get("ports", []):
-        if port.get("name") == name:
-            return int(port["containerPort"])
-    return None
+    ports = container.get("ports", [])
+    return next((int(p["containerPort"]) for p in ports if p.get("name") == name), None)
 
 
 _REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
@@ -167,8 +161,8 @@ _REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 def container_env(objects: list[Object], container: Object) -> dict[str, str]:
     """The container's environment as the kubelet builds it: envFrom first,
-    then env (which wins), with $(VAR) references expanded. Values that only
-    exist at run time (Secrets, the downward API) become markers."""
+    then env (which wins), with $(VAR) references expanded. The downward API's
+    values, known only at run time, become markers."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         ref = source.get("configMapRef")
@@ -177,22 +171,15 @@ def container_env(objects: list[Object], container: Object) -> dict[str, str]:
         env.update({source.get("prefix", "") + k: str(v) for k, v in data.items()})
     for item in container.get("env", []):
         name = item["name"]
-        if "value" in item:
-            env[name] = _REFERENCE.sub(
-                lambda m: env.get(m[1], m[0]), str(item["value"])
-            )
-            continue
-        source = item.get("valueFrom", {})
-        if "configMapKeyRef" in source:
-            ref = source["configMapKeyRef"]
-            env[name] = find(objects, "ConfigMap", ref["name"])["data"][ref["key"]]
-        elif "secretKeyRef" in source:
-            ref = source["secretKeyRef"]
-            env[name] = f"<secret {ref['name']}/{ref['key']}>"
-        elif "fieldRef" in source:
-            env[name] = f"<field {source['fieldRef']['fieldPath']}>"
-        else:
-            raise AssertionError(f"unsupported env source {item}: extend container_env")
+        match item:
+            case {"value": value}:
+                env[name] = _REFERENCE.sub(lambda m: env.get(m[1], m[0]), str(value))
+            case {"valueFrom": {"fieldRef": {"fieldPath": path}}}:
+                env[name] = f"<field {path}>"
+            case _:
+                raise AssertionError(
+                    f"unsupported env source {item}: extend container_env"
+                )
     return env
 
 
@@ -204,9 +191,7 @@ def compose_services(overlay: str) -> dict[str, Object]:
     twin = OVERLAYS[overlay]
     # .env and configs/ports.env as on a GPU host; the profile from the
     # "shell", which wins over .env.
-    model = manifests.compose_config(
-        twin.compose_profiles, env={"PD_PROFILE": twin.profile}
-    )
+    model = manifests.compose_config(twin.compose_profiles, env={"PD_PROFILE": overlay})
     names = zip((*SERVING, ROUTER), twin.trio, strict=True)
     return {name: model["services"][service] for name, service in names}
 
@@ -494,7 +479,6 @@ def placement_violations(objects: list[Object]) -> Iterator[str]:
 
 
 def violations(objects: list[Object], overlay: str) -> list[str]:
-    twin = OVERLAYS[overlay]
     problems = [
         *probe_violations(objects),
         *security_violations(objects),
@@ -504,10 +488,10 @@ def violations(objects: list[Object], overlay: str) -> list[str]:
         *network_violations(objects),
         *service_violations(objects),
         *port_violations(objects, ports()),
-        *gpu_violations(objects, twin.profile),
+        *gpu_violations(objects, overlay),
         *reference_violations(objects),
     ]
-    if _gpus_per_role(twin.profile) > 1:
+    if _gpus_per_role(overlay) > 1:
         problems += placement_violations(objects)
     return problems
 
@@ -518,8 +502,7 @@ def violations(objects: list[Object], overlay: str) -> list[str]:
 def test_every_overlay_has_a_compose_twin() -> None:
     assert {p.name for p in OVERLAY_DIR.iterdir() if p.is_dir()} == set(OVERLAYS)
     profiles = {p.stem for p in (config.CONFIGS / "profiles").glob("*.yaml")}
-    for name, twin in OVERLAYS.items():
-        assert twin.profile in profiles, name
+    assert set(OVERLAYS) <= profiles
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -818,7 +801,7 @@ def test_servers_run_what_compose_runs(overlay: str, role: str, serves: Serves) 
     assert "command" not in container and service.get("entrypoint") is None
     assert container["args"] == service["command"]
     theirs, mine = environment(service), container_env(objects, container)
-    assert mine["PD_PROFILE"] == OVERLAYS[overlay].profile
+    assert mine["PD_PROFILE"] == overlay
     assert env_drift(theirs, mine, K8S_ONLY_SERVING_ENV) == []
     expected = serves(service["command"], theirs)
     engine_id = mine.pop("PD_ENGINE_ID", None)
