@@ -64,14 +64,12 @@ def test_transfer_engine_moves_every_size_and_checks_arrival() -> None:
     assert all(s.verified for s in samples)
     assert all(len(s.throughputs()) == 2 for s in samples)
     kv = [s for s in samples if s.method == "engine_kv_blocks"]
-    assert [s.descriptors for s in kv] == [
-        -(-size // te.KV_BLOCK_BYTES) for size in sizes
-    ]
+    assert [s.descriptors for s in kv] == [-(-n // te.KV_BLOCK_BYTES) for n in sizes]
     comparisons = te.compare(samples)
     assert [c.size for c in comparisons] == sizes
     assert all(c.vs_socket > 0 and c.vs_memcpy > 0 for c in comparisons)
-    assert [c.chunked_bps is not None for c in comparisons] == [False, False, True,
-                                                                 True]  # fmt: skip
+    with_chunked = [c.chunked_bps is not None for c in comparisons]
+    assert with_chunked == [False, False, True, True]
     assert te.from_json(json.loads(json.dumps(te.to_json(samples)))) == samples
 
 
@@ -107,7 +105,7 @@ def test_kv_descriptors_cover_the_bytes_once() -> None:
 
 # --- KV transfer accounting ---------------------------------------------------
 def counters(lens: list[int], **changes: float) -> dict[str, float]:
-    base = {
+    return {
         "transfers": len(lens),
         "bytes": sum(TWIN.transfer_bytes(n) for n in lens),
         "seconds": 0.02 * len(lens),
@@ -116,8 +114,8 @@ def counters(lens: list[int], **changes: float) -> dict[str, float]:
         "failed_recvs": 0,
         "expired": 0,
         "prompt_tokens": sum(lens),
+        **changes,
     }
-    return {**base, **changes}
 
 
 @pytest.mark.parametrize(
@@ -127,8 +125,8 @@ def counters(lens: list[int], **changes: float) -> dict[str, float]:
         # Prefill batches the requests bound for one decode: bytes still add up.
         ({"transfers": 1}, True, "3 requests in 1 transfers"),
         # Negative controls.
-        ({"bytes_delta": -BLOCK}, False, "layout predicts"),
-        ({"bytes_delta": BLOCK // 2}, False, "layout predicts"),
+        ({"bytes": counters(LENS)["bytes"] - BLOCK}, False, "layout predicts"),
+        ({"bytes": counters(LENS)["bytes"] + BLOCK // 2}, False, "layout predicts"),
         ({"transfers": 4}, False, "4 transfers for 3 requests"),
         ({"transfers": 0}, False, "0 transfers for 3 requests"),
         ({"failed_transfers": 1}, False, "failed transfers"),
@@ -136,11 +134,7 @@ def counters(lens: list[int], **changes: float) -> dict[str, float]:
     ],
 )
 def test_layout_check(change: dict[str, float], ok: bool, why: str) -> None:
-    values = counters(LENS)
-    if "bytes_delta" in change:
-        values["bytes"] += change.pop("bytes_delta")
-    values.update(change)
-    check = kv_transfer.check_layout(LENS, values, TWIN)
+    check = kv_transfer.check_layout(LENS, counters(LENS, **change), TWIN)
     assert check is not None and check.ok == ok, check
     assert why in check.detail
     # 8 + 9 + 256 blocks of 311296 bytes: per request, never pooled.
@@ -200,17 +194,8 @@ def test_direct_legs_follow_the_router_protocol() -> None:
 def test_recorded_router_legs_follow_the_protocol() -> None:
     capture = json.loads((SMALL_RUN / "router_overhead.json").read_text())["capture"]
     assert capture["prefill_response_kv_params"] is None
-    assert (
-        router_capture.differences(capture["prefill_leg"], capture["decode_leg"]) == []
-    )
-
-
-def broken(leg: str, edit: Any) -> list[str]:
-    prefill, decode = router_capture.build_legs(
-        {"model": "m", "prompt": "p", "max_tokens": 4}, "e", "http://h:1"
-    )
-    edit(prefill if leg == "prefill" else decode)
-    return router_capture.differences(prefill, decode)
+    legs = capture["prefill_leg"], capture["decode_leg"]
+    assert router_capture.differences(*legs) == []
 
 
 def in_kv(**changes: Any) -> Any:
@@ -231,14 +216,17 @@ def in_kv(**changes: Any) -> Any:
     ],
 )
 def test_protocol_check_negative_controls(leg: str, edit: Any, why: str) -> None:
-    problems = broken(leg, edit)
+    prefill, decode = router_capture.build_legs(
+        {"model": "m", "prompt": "p", "max_tokens": 4}, "e", "http://h:1"
+    )
+    edit(prefill if leg == "prefill" else decode)
+    problems = router_capture.differences(prefill, decode)
     assert problems and any(why in p for p in problems), problems
 
 
 def test_tap_records_and_stubs_answer() -> None:
-    stub = http_tap.Tap(
-        "stub", free_port(), None, respond=router_capture.stub_vllm("m")
-    )
+    respond = router_capture.stub_vllm("m")
+    stub = http_tap.Tap("stub", free_port(), None, respond=respond)
     tap = http_tap.Tap("tap", free_port(), stub.url)
     completions = f"{tap.url}/v1/completions"
     with http_tap.TapServer([stub, tap]) as server:
@@ -315,25 +303,23 @@ def test_report_flags_a_layout_mismatch(run_dir: Path) -> None:
 
 
 def test_targets_are_judged_by_their_numbers() -> None:
-    lens = [4096]
     level = levels.LevelResult.from_json(level_result(4096, mean_ttft_ms=10_000.0))
-    fast = levels.Pair(4096, 1, level, None, counters(lens, seconds=0.4))
-    slow = levels.Pair(4096, 1, level, None, counters(lens, seconds=0.6))
+
+    def pair(**changes: float) -> levels.Pair:
+        return levels.Pair(4096, 1, level, None, counters([4096], **changes))
+
+    fast = pair(seconds=0.4)
     assert judge([fast], None, [], None)[0].met is True
-    assert judge([slow], None, [], None)[0].met is False
-    memory = {"rss_total": 7 << 30, "rss_by_group": {}}
-    assert judge([], None, [], memory)[3].met is False
-    assert judge([], None, [], {**memory, "rss_total": 5 << 30})[3].met is True
-    engine = [te.Comparison(64 << 20, 0.7e9, 1.0e9, 5e9, None)]
-    assert judge([], None, engine, None)[2].met is False
-    engine = [te.Comparison(64 << 20, 0.9e9, 1.0e9, 5e9, None)]
-    assert judge([], None, engine, None)[2].met is True
+    assert judge([pair(seconds=0.6)], None, [], None)[0].met is False
+    for rss, met in ((7 << 30, False), (5 << 30, True)):
+        assert judge([], None, [], {"rss_total": rss, "rss_by_group": {}})[3].met is met
+    for engine_bps, met in ((0.7e9, False), (0.9e9, True)):
+        engine = [te.Comparison(64 << 20, engine_bps, 1.0e9, 5e9, None)]
+        assert judge([], None, engine, None)[2].met is met
     assert all(t.met is None for t in judge([], None, [], None))
     # Stalls: any resent send in the sweep misses, naming its level.
     assert judge([fast], None, [], None)[5].met is True
-    stalled = levels.Pair(
-        4096, 1, level, None, {**counters(lens, seconds=0.4), "retried_transfers": 2}
-    )
+    stalled = pair(seconds=0.4, retried_transfers=2)
     verdict = judge([fast, stalled], None, [], None)[5]
     assert verdict.met is False and "4096 tokens x 1: 2" in verdict.measured
 
@@ -533,44 +519,36 @@ KV_PATHS = {
 # Staged requests' phases (gather, write, scatter seconds), the same for
 # both passes; direct ones record zeros.
 STAGED_PHASES = {1024: (0.003, 0.021, 0.004), 4096: (0.012, 0.085, 0.015)}
-PHASES = {("staged", name): STAGED_PHASES for name in ("fresh", "fragmented")}
-# The engine alone with one descriptor: 1 GB/s at 16 and 64 MiB; with 1 MiB
-# descriptors through stall_guard twice that.
-ENGINE_GBPS = {16 << 20: 1.0, 64 << 20: 1.0}
-
-
-def engine_json(gbps: dict[int, float]) -> list[dict[str, Any]]:
-    """transfer_engine.json as bench.transfer_engine writes it: every method
-    at every size, ``gbps`` for the engine's one descriptor, twice that for
-    1 MiB descriptors, 4 GB/s for the rest."""
-    factor = {"engine": 1.0, te.CHUNKED_METHOD: 2.0}
-    samples = [
-        te.Sample(method, size, 1, [size / (rate * 1e9 * factor[method]
-                                            if method in factor else 4e9)])
-        for size, rate in gbps.items()
+# transfer_engine.json as bench.transfer_engine writes it, every method at 16
+# and 64 MiB: the engine alone with one descriptor at 1 GB/s, with 1 MiB
+# descriptors through stall_guard twice that, the rest at 4 GB/s.
+ENGINE_GBPS = {"engine": 1.0, te.CHUNKED_METHOD: 2.0}
+ENGINE_JSON = te.to_json(
+    [
+        te.Sample(method, size, 1, [size / (ENGINE_GBPS.get(method, 4.0) * 1e9)])
+        for size in (16 << 20, 64 << 20)
         for method in te.METHODS
-    ]  # fmt: skip
-    return te.to_json(samples)
+    ]
+)
 
 
 def write_kv_path_run(
     run_dir: Path,
     cells: dict[tuple[str, str], Any] = KV_PATHS,
-    requests_n: int = 3,
-    phases: dict[tuple[str, str], Any] | None = PHASES,
+    phases: bool = True,
 ) -> None:
     """A KV path run as the bench leaves it: per state and pass, single-request
     levels (vllm bench serve's keys) with their transfer counters and staging
-    phases (none at all: ``phases`` None, a run from before they were
+    phases (none at all: not ``phases``, a run from before they were
     recorded); per state the burst's level and state.json; the engine alone."""
     for (state, name), by_len in cells.items():
         where = kv_path.state_dir(run_dir, state)
         (where / name).mkdir(parents=True, exist_ok=True)
         for length, (descriptors, seconds, ttft) in by_len.items():
-            for i in range(requests_n):
+            for i in range(3):
                 kv = counters([length], seconds=seconds, descriptors=descriptors)
-                if phases is not None:
-                    took = phases.get((state, name), {}).get(length, (0, 0, 0))
+                if phases:
+                    took = STAGED_PHASES[length] if state == "staged" else (0, 0, 0)
                     kv |= dict(zip(map(kv_phases.key, kv_phases.PHASES), took,
                                    strict=True))  # fmt: skip
                 stem = where / name / f"pd-in{length}-c1-r{i}"
@@ -583,31 +561,30 @@ def write_kv_path_run(
         (where / "burst.status.json").write_text(json.dumps(status))
         data = kv_path.state_json(kv_path.STATE_ENV[state], 60.0)
         (where / kv_path.STATE_FILE).write_text(json.dumps(data))
-    (run_dir / "transfer_engine.json").write_text(json.dumps(engine_json(ENGINE_GBPS)))
+    (run_dir / "transfer_engine.json").write_text(json.dumps(ENGINE_JSON))
 
 
 def test_report_renders_the_kv_path_section(run_dir: Path) -> None:
     write_kv_path_run(run_dir)
     summary, text = built(run_dir)
-    head = "\n\n## KV path: staged / direct sends, fresh / fragmented block lists\n\n"
-    assert head in text
-    # 64 blocks of 311296 B in 25 ms: 797 MB/s, 79.7% of 1 GB/s at 16 MiB; the
-    # TTFTs 2000, 2001, 2002 ms.
-    # Against the engine's 1 MiB descriptors (2 GB/s): half that.
-    assert ("| staged | fresh | 1024 | 3 | 19 | 25.0 | 797 | 2,001 | 1.2% | "
-            "79.7% (16 MiB) | 39.8% |") in text  # fmt: skip
-    assert (
-        "| staged | fragmented | 4096 | 3 | 76 | 100.0 | 797 | 10,001 | 1.0% |" in text
-    )
-    assert (
-        "| direct | fragmented | 4096 | 3 | 2,304 | 800.0 | 100 | 11,001 | 7.3% |"
-        in text
-    )
-    assert "- direct: `PD_MOONCAKE_KV_STAGING_MIB=0`, stack (re)started in 60 s" in text
-    assert (
-        "warm-up 16 of 16 requests, prompts 103-1940, outputs 5-91 tokens, ok" in text
-    )
-    assert "bytes per request: all 24 equal the layout's whole blocks" in text
+    for line in (
+        "\n\n## KV path: staged / direct sends, fresh / fragmented block lists\n\n",
+        # 64 blocks of 311296 B in 25 ms: 797 MB/s, 79.7% of 1 GB/s at 16 MiB; the
+        # TTFTs 2000, 2001, 2002 ms.
+        # Against the engine's 1 MiB descriptors (2 GB/s): half that.
+        "| staged | fresh | 1024 | 3 | 19 | 25.0 | 797 | 2,001 | 1.2% | "
+        "79.7% (16 MiB) | 39.8% |",
+        "| staged | fragmented | 4096 | 3 | 76 | 100.0 | 797 | 10,001 | 1.0% |",
+        "| direct | fragmented | 4096 | 3 | 2,304 | 800.0 | 100 | 11,001 | 7.3% |",
+        "- direct: `PD_MOONCAKE_KV_STAGING_MIB=0`, stack (re)started in 60 s",
+        "warm-up 16 of 16 requests, prompts 103-1940, outputs 5-91 tokens, ok",
+        "bytes per request: all 24 equal the layout's whole blocks",
+        # The engine table shows the staged path's submission: 1 and 2 GB/s
+        # against the 4 GB/s socket.
+        "| engine, 1 MiB descriptors (stall_guard) GB/s |",
+        "| 16 MiB | 1.00 | 4.00 | 2.00 | n/a | 4.00 | 4.00 | 25% | 25% | 50% |",
+    ):
+        assert line in text, line
     assert "not in effect" not in text
     cells = summary["kv_path"]["cells"]
     assert [(c["state"], c["pass"], c["input_len"]) for c in cells[:3]] == [
@@ -618,11 +595,6 @@ def test_report_renders_the_kv_path_section(run_dir: Path) -> None:
     assert cells[0]["vs_engine_chunked"] == pytest.approx(64 * BLOCK / 0.025 / 2e9)
     names = [t["name"] for t in summary["targets"]]
     assert sum("KV staging" in n for n in names) == 3
-    # The engine table shows the staged path's submission: 1 and 2 GB/s
-    # against the 4 GB/s socket.
-    assert "| engine, 1 MiB descriptors (stall_guard) GB/s |" in text
-    row = "| 16 MiB | 1.00 | 4.00 | 2.00 | n/a | 4.00 | 4.00 | 25% | 25% | 50% |"
-    assert row in text
 
 
 def test_report_breaks_staged_sends_down_by_phase(run_dir: Path) -> None:
@@ -653,7 +625,7 @@ def test_report_breaks_staged_sends_down_by_phase(run_dir: Path) -> None:
 
 def test_kv_path_phases_of_a_run_without_them_are_not_made_up(run_dir: Path) -> None:
     """A run from before the phases were recorded: n/a, not "-" or 0."""
-    write_kv_path_run(run_dir, phases=None)
+    write_kv_path_run(run_dir, phases=False)
     summary, text = built(run_dir)
     assert "| staged | fresh | 1024 | n/a | n/a | n/a | n/a | 25.0 | 2,001 |" in text
     assert all(c["staged_requests"] is None for c in summary["kv_path"]["cells"])
@@ -692,7 +664,7 @@ def test_decode_phases_settle_like_prefills_counters(
 
 def kv_path_targets(run_dir: Path) -> dict[str, Any]:
     """The KV path's three targets, by the words after 'KV staging: '."""
-    comparisons = te.compare(te.from_json(engine_json(ENGINE_GBPS)))
+    comparisons = te.compare(te.from_json(ENGINE_JSON))
     checks = judge([], None, comparisons, None, None, (), kv_path.read(run_dir))
     return {t.name.split(": ")[1].split(",")[0]: t for t in checks[-3:]}
 

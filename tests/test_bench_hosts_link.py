@@ -17,16 +17,15 @@ from typing import Any
 import pytest
 
 from bench import hosts_link as hl
-from bench import loopback
+from bench import loopback, run
 from bench.targets import HOSTS_LINK_TARGET, judge
 from pdstack import netns
 from tests.shared import SMALL_RUN, bench_settings, built
 
 RECORDED = json.loads((SMALL_RUN / "hosts_link.json").read_text())
-# The real test's own tag (not "bl", which `make bench` uses, nor "mh"/"ut").
-TEST_TAG = "blt"
 REASON = netns.missing_privileges()
 HOSTS_TARGET = 6
+CPU_BOUND = "not judged, CPU-bound: the socket reaches only"
 
 
 def rates(**one_gbit: Any) -> list[hl.Rate]:
@@ -63,9 +62,7 @@ def test_target_judges_only_where_the_link_is_the_limit() -> None:
     assert target.met is True and target.advice == ""
     assert "1 Gbit/s: 95.2%" in target.measured
     # 5 Gbit/s: the socket short of the rate too, so reported with why.
-    assert "5 Gbit/s not judged, CPU-bound: the socket reaches only 83.5% too" in (
-        target.measured
-    )
+    assert f"5 Gbit/s {CPU_BOUND} 83.5% too" in target.measured
     assert "unshaped: engine 0.71 vs socket 0.72 GB/s" in target.note
     # Nothing measured: unresolved.
     assert verdict([]).met is None and verdict([]).measured == "not measured"
@@ -75,18 +72,13 @@ def test_target_judges_only_where_the_link_is_the_limit() -> None:
 def test_target_negative_controls() -> None:
     """The engine at half a link the socket fills misses; so does a failed
     rate; a slow engine where the CPU is the limit is not judged."""
-    half = rates(engine_bps=0.5 * 125e6)
-    target = verdict(half)
+    target = verdict(rates(engine_bps=0.5 * 125e6))
     assert target.met is False and "1 Gbit/s: 50.0%" in target.measured
     assert "50.0% of the rate" in target.advice
-    failed = rates(error="PeerError: Receiver exited (1)")
-    assert verdict(failed).met is False and "failed" in verdict(failed).measured
-    cpu = rates(engine_bps=0.5 * 125e6, socket_bps=0.6 * 125e6)
-    target = verdict(cpu)
-    assert target.met is None
-    assert "1 Gbit/s not judged, CPU-bound: the socket reaches only 60.0% too" in (
-        target.measured
-    )
+    failed = verdict(rates(error="PeerError: Receiver exited (1)"))
+    assert failed.met is False and "failed" in failed.measured
+    cpu = verdict(rates(engine_bps=0.5 * 125e6, socket_bps=0.6 * 125e6))
+    assert cpu.met is None and f"1 Gbit/s {CPU_BOUND} 60.0% too" in cpu.measured
     # Just at the target and just under it.
     at = HOSTS_LINK_TARGET * 125e6
     assert verdict(rates(engine_bps=at)).met is True
@@ -127,7 +119,8 @@ def test_a_peer_in_a_missing_namespace_says_so() -> None:
 def test_engine_and_socket_between_hosts_for_real() -> None:
     """Real namespaces, real engines: 8 MiB once over a 1 Gbit/s link, the
     engine's bytes checked at the receiver; the network gone afterwards."""
-    net = netns.Network(TEST_TAG, [hl.HOST])
+    # Its own tag: not "bl", which `make bench` uses, nor "mh"/"ut".
+    net = netns.Network("blt", [hl.HOST])
     try:
         (result,) = hl.measure(
             8 << 20, 1, ("1gbit",), progress=lambda _: None, network=net
@@ -146,19 +139,17 @@ def test_engine_and_socket_between_hosts_for_real() -> None:
     assert not [ns for ns in netns.namespaces() if ns.startswith(net.base)]
 
 
-def test_make_bench_step_runs_the_subcommand_or_says_why_not(tmp_path: Path) -> None:
-    from unittest import mock
-
-    from bench import run
-
+def test_make_bench_step_runs_the_subcommand_or_says_why_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     chosen = bench_settings(["--hosts-link-size", "8M"])
     calls: list[list[str]] = []
-    with mock.patch.object(run, "_bench_subprocess", lambda a, *_: calls.append(a)):
-        with mock.patch.object(netns, "missing_privileges", lambda: "uid 65534"):
-            note = run.hosts_link_step(chosen, tmp_path, lambda _: None)
-        assert note is not None and "not measured: uid 65534" in note and not calls
-        with mock.patch.object(netns, "missing_privileges", lambda: None):
-            assert run.hosts_link_step(chosen, tmp_path, lambda _: None) is None
+    monkeypatch.setattr(run, "_bench_subprocess", lambda a, *_: calls.append(a))
+    monkeypatch.setattr(netns, "missing_privileges", lambda: "uid 65534")
+    note = run.hosts_link_step(chosen, tmp_path, lambda _: None)
+    assert note is not None and "not measured: uid 65534" in note and not calls
+    monkeypatch.setattr(netns, "missing_privileges", lambda: None)
+    assert run.hosts_link_step(chosen, tmp_path, lambda _: None) is None
     (args,) = calls
     assert args[:3] == ["hosts-link", "--json", str(tmp_path / "hosts_link.json")]
     assert args[3:] == ["--hosts-link-size", str(8 << 20), "--hosts-link-repeats", "3"]
