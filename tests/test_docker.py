@@ -77,13 +77,10 @@ def final_stage(text: str) -> list[tuple[str, str]]:
 
 def pin_violations(dockerfiles: Mapping[str, str], requirements: str) -> list[str]:
     pins = dict(re.findall(r"(?m)^\s*([^#\s=]+)\s*==\s*([^#\s]+)", requirements))
+    pinned = {name: global_args(text) for name, text in dockerfiles.items()}
     problems = []
     for arg, (package, spelling) in PINS.items():
-        found = {
-            name: global_args(text)[arg]
-            for name, text in dockerfiles.items()
-            if arg in global_args(text)
-        }
+        found = {name: args[arg] for name, args in pinned.items() if arg in args}
         if not found:
             problems.append(f"no Dockerfile pins {arg}")
         for name, value in found.items():
@@ -111,11 +108,8 @@ def label_violations(name: str, text: str) -> list[str]:
 
 
 def ignore_patterns(ignore: str) -> list[str]:
-    return [
-        line.strip()
-        for line in ignore.splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
+    lines = [line for line in ignore.splitlines() if not line.startswith("#")]
+    return [line.strip() for line in lines if line.strip()]
 
 
 def in_context(patterns: list[str], path: str) -> bool:
