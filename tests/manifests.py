@@ -83,21 +83,18 @@ def compose_config(
     return json.loads(_config_text(tuple(profiles), key, tuple(options)))
 
 
-# Every variable pdstack.serve reads.
-PDSTACK_VARIABLES = {*ports(), "PD_PROFILE", *config.ENV_OVERRIDES}
-
-
 def served(
     command: list[str],
     env: Mapping[str, str],
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> str:
-    """What `pdstack.serve ... --print` says it would exec, under ``env``."""
+    """What `pdstack.serve ... --print` says it would exec, under ``env`` alone
+    (every variable pdstack.serve reads cleared first)."""
     assert command[:3] == ["python3", "-m", "pdstack.serve"], command
     capsys.readouterr()
     with monkeypatch.context() as patch:
-        for name in PDSTACK_VARIABLES:
+        for name in {*ports(), "PD_PROFILE", *config.ENV_OVERRIDES}:
             patch.delenv(name, raising=False)
         for name, value in env.items():
             patch.setenv(name, value)

@@ -37,9 +37,6 @@ from tests.manifests import HEALTH, environment, ports, served
 K8S = ROOT / "k8s"
 BASE = K8S / "base"
 OVERLAY_DIR = K8S / "overlays"
-# kustomize reads no file outside its root, so k8s/base keeps a checked copy.
-BASE_PORTS_ENV = BASE / "ports.env"
-DOCS = ROOT / "docs" / "kubernetes.md"
 
 # The oldest Kubernetes minor still widely run (managed offerings' extended
 # support) and the newest the pinned kubernetes-validate has schemas for.
@@ -295,9 +292,8 @@ def _secret_files(workload: Object, container: Object) -> set[str]:
         if not sources or any(set(s) != {"secret"} for s in sources):
             continue  # not purely secret-backed
         for source in sources:
-            items = source["secret"].get("items")
-            if not items:
-                continue  # every key: file names unknown until run time
+            # Without items, every key: file names unknown until run time.
+            items = source["secret"].get("items") or []
             files.update(f"{mount['mountPath']}/{i['path']}" for i in items)
     return files
 
@@ -423,9 +419,8 @@ def port_violations(
         yield "prefill: annotation vllm.ai/bootstrap-port is wrong"
     for name in (*SERVING, ROUTER):
         env = container_env(objects, main_container(found[name]))
-        drift = {k: v for k, v in port_env.items() if env.get(k) != v}
-        if drift:
-            yield f"{name}: environment disagrees on {sorted(drift)}"
+        if drift := sorted(k for k, v in port_env.items() if env.get(k) != v):
+            yield f"{name}: environment disagrees on {drift}"
 
 
 def _gpus_per_role(profile_name: str) -> int:
@@ -499,10 +494,13 @@ def violations(objects: list[Object], overlay: str) -> list[str]:
 # --- the overlays: schema and invariants --------------------------------------------
 
 
-def test_every_overlay_has_a_compose_twin() -> None:
+def test_every_overlay_has_a_profile_a_compose_twin_and_docs() -> None:
     assert {p.name for p in OVERLAY_DIR.iterdir() if p.is_dir()} == set(OVERLAYS)
     profiles = {p.stem for p in (config.CONFIGS / "profiles").glob("*.yaml")}
     assert set(OVERLAYS) <= profiles
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    for overlay in OVERLAYS:
+        assert f"apply -k k8s/overlays/{overlay}" in docs, overlay
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -715,7 +713,7 @@ def test_placement_checker_catches_violations() -> None:
 
 
 def test_base_ports_env_is_configs_ports_env() -> None:
-    copy_text, source = BASE_PORTS_ENV.read_text(), PORTS_ENV.read_text()
+    copy_text, source = (BASE / "ports.env").read_text(), PORTS_ENV.read_text()
     header = copy_text[: len(copy_text) - len(source)]
     assert copy_text.endswith(source), (
         "k8s/base/ports.env drifted from configs/ports.env; regenerate it with "
@@ -978,9 +976,3 @@ def test_kimi_keeps_its_model_cache_on_a_claim_per_pod() -> None:
         claims = found[role]["spec"]["volumeClaimTemplates"]
         assert [c["metadata"]["name"] for c in claims] == ["cache"]
         assert "cache" not in {v["name"] for v in pod(found[role])["volumes"]}
-
-
-def test_docs_cover_every_overlay() -> None:
-    text = DOCS.read_text()
-    for overlay in OVERLAYS:
-        assert f"apply -k k8s/overlays/{overlay}" in text, overlay
