@@ -18,23 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from pdstack import tiny_model as tm
 
 SPECIALS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
-
-
-@pytest.fixture(scope="module")
-def models() -> tm.TinyModels:
-    return tm.ensure_models(progress=lambda line: print(line, flush=True))
-
-
-@pytest.fixture(scope="module")
-def target(models: tm.TinyModels) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(models.target).eval()
 
 
 def _small_draft(path: Path, drop: str | None = None, extra: str | None = None) -> dict:
@@ -146,14 +134,15 @@ def test_target_config_is_deepseek_mla_with_yarn(models: tm.TinyModels) -> None:
     assert set(generation) <= {*SPECIALS, "transformers_version"}
 
 
-def test_draft_is_a_complete_eagle3_llama(models: tm.TinyModels) -> None:
+def test_draft_is_a_complete_eagle3_llama(
+    models: tm.TinyModels, weights: dict[str, torch.Tensor]
+) -> None:
     tm.verify_draft_checkpoint(models.draft)
     config = json.loads((models.draft / "config.json").read_text())
     target = json.loads((models.target / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["draft_vocab_size"] == target["vocab_size"]
     assert config["num_key_value_heads"] < config["num_attention_heads"]  # GQA
-    weights = load_file(models.draft / "model.safetensors")
     assert all(w.dtype == torch.float32 for w in weights.values())
     assert weights["fc.weight"].shape[1] == 3 * target["hidden_size"]
 
@@ -189,13 +178,14 @@ def test_probes_are_the_targets_greedy_continuations(
 
 
 def test_draft_predicts_probes_only_with_its_own_prompt_kv(
-    models: tm.TinyModels, target: torch.nn.Module
+    models: tm.TinyModels,
+    target: torch.nn.Module,
+    weights: dict[str, torch.Tensor],
+    embed: torch.Tensor,
 ) -> None:
     """The detector property, on the plain-PyTorch copy of vLLM's Eagle3
     forward: ~100% on the probes, far less once the draft's KV of the prompt
     is lost."""
-    weights = load_file(models.draft / "model.safetensors")
-    embed = target.get_input_embeddings().weight.detach()
     prompts = torch.tensor([p.prompt for p in tm.load_probes(models)[16:24]])
     assert prompts.shape[1] == 48  # one probe group: equal lengths
     start = prompts.shape[1] - 1
