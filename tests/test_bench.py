@@ -1,16 +1,6 @@
 """The bench's plumbing: real code on small inputs, each checker with a negative
-control. No assertion here is about speed (timing belongs to `make bench`).
-
-- the Mooncake transfer-engine micro-benchmark, for real, at 64 KiB - 3 MiB;
-- the report rebuilt from a small recorded run (bench/fixtures/small-run: real
-  `vllm bench serve` JSON from P/D and colocated servers on the CPU twin);
-- the router protocol read through the recording proxy, against the real
-  vllm-router binary in front of stub backends;
-- `vllm bench serve`'s own parser accepting the arguments the bench passes;
-- the KV checksum's and the KV path's sections and targets from passes
-  written as the bench writes them, their plans, and the one restart
-  mechanism both use.
-"""
+control. No assertion here is about speed (timing belongs to `make bench`);
+what each part runs: docs/bench.md, "The smoke tests"."""
 
 from __future__ import annotations
 
@@ -266,9 +256,7 @@ def test_real_router_protocol_through_taps(tmp_path: Path) -> None:
 # --- report (run_dir: tests/conftest.py) ---------------------------------------
 def test_report_from_a_recorded_run(run_dir: Path) -> None:
     summary, text = built(run_dir)
-    raw = {
-        p.stem: json.loads(p.read_text()) for p in (run_dir / "raw").glob("*-c?.json")
-    }
+    raw = {p.stem: json.loads(p.read_text()) for p in run_dir.glob("raw/*-c?.json")}
     assert len(summary["levels"]) == 2
     for level in summary["levels"]:
         pd = raw[f"pd-in{level['input_len']}-c{level['concurrency']}"]
@@ -417,9 +405,8 @@ def write_request(stem: Path, kv: dict[str, float], length: int, **ttft: float) 
 def write_checksum_pass(
     run_dir: Path, state: str, ttft_ms: dict[int, list[float]], enabled: float
 ) -> None:
-    """One pass as the bench leaves it: a single-request level per request
-    (vllm bench serve's keys the report reads), its transfer counters, decode's
-    checksum series."""
+    """One pass as the bench leaves it: per request a single-request level and
+    its transfer counters; decode's checksum series."""
     where = kv_checksum.pass_dir(run_dir, state)
     where.mkdir(parents=True)
     for length, values in ttft_ms.items():
@@ -684,10 +671,8 @@ def test_kv_path_targets_are_judged_by_their_numbers(tmp_path: Path) -> None:
     # 100 ms of 10,001: 1.0%, on the line.
     assert share.met is True and "fresh 100 of 10,001 ms" in share.note
     # A slower staged 4096 fresh pass misses all three, each with its advice.
-    slower = {
-        ("staged", "fresh"): {1024: (19, 0.025, 2000.0), 4096: (76, 0.2, 10_000.0)}
-    }
-    write_kv_path_run(tmp_path, slower)
+    slower = {1024: (19, 0.025, 2000.0), 4096: (76, 0.2, 10_000.0)}
+    write_kv_path_run(tmp_path, {("staged", "fresh"): slower})
     missed = kv_path_targets(tmp_path)
     assert [t.met for t in missed.values()] == [False, True, False]
     assert all(t.advice for t in missed.values() if t.met is False)
@@ -704,8 +689,7 @@ def test_kv_path_targets_without_measurements(tmp_path: Path) -> None:
     assert rate.met is None and "no engine results" in rate.measured
     for p in (tmp_path / "kv_path" / "staged" / "fragmented").glob("pd-in4096-*"):
         p.unlink()
-    got = kv_path_targets(tmp_path)
-    frag = got["fragmented rate vs fresh"]
+    frag = kv_path_targets(tmp_path)["fragmented rate vs fresh"]
     assert frag.met is None and "not measured: 4096" in frag.note
 
 
@@ -802,8 +786,7 @@ def test_a_levels_kv_file_has_both_servers_phases(
 
     def scrape(url: str, timeout: float = 10.0) -> m.Snapshot:
         scrapes.append(url)
-        first = scrapes.count(url) == 1
-        return m.Snapshot({}) if first else after[url]
+        return m.Snapshot({}) if scrapes.count(url) == 1 else after[url]
 
     result = tmp_path / "pd-in1024-c1-r0.json"
 

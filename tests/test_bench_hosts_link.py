@@ -91,11 +91,8 @@ def test_report_renders_the_hosts_table(run_dir: Path) -> None:
     one = next(r for r in RECORDED if r["rate"] == "1gbit")
     row = next(line for line in text.splitlines() if line.startswith("| 1 Gbit/s |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1:4] == [
-        "0.125",
-        f"{one['engine_bps'] / 1e9:.3f}",
-        f"{one['socket_bps'] / 1e9:.3f}",
-    ]
+    gbps = [f"{one[key] / 1e9:.3f}" for key in ("engine_bps", "socket_bps")]
+    assert cells[1:4] == ["0.125", *gbps]
     assert cells[-1] == "the link"
     assert any(line.startswith("| 5 Gbit/s |") and "CPU-bound" in line
                for line in text.splitlines())  # fmt: skip
