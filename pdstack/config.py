@@ -151,14 +151,10 @@ def render(flags: Mapping[str, Any], substitutions: Mapping[str, str]) -> list[s
     for key, value in substituted(flags, substitutions).items():
         if value is True:
             argv.append(f"--{key}")
-        elif value is False or value is None:
-            continue
         elif isinstance(value, dict):
-            argv += [
-                f"--{key}",
-                json.dumps(value, separators=(",", ":"), sort_keys=True),
-            ]
-        else:
+            compact = json.dumps(value, separators=(",", ":"), sort_keys=True)
+            argv += [f"--{key}", compact]
+        elif value is not False and value is not None:
             argv += [f"--{key}", str(value)]
     return argv
 

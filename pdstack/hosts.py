@@ -29,14 +29,6 @@ TAG = "mh"
 ROUTER = "router"
 
 
-def host_names(prefills: int, decodes: int) -> list[str]:
-    return [
-        ROUTER,
-        *(f"prefill-{i}" for i in range(prefills)),
-        *(f"decode-{i}" for i in range(decodes)),
-    ]
-
-
 def role_of(name: str) -> str:
     role = name.rsplit("-", 1)[0]
     if role not in (*config.ROLES, ROUTER):
@@ -60,7 +52,11 @@ class HostsTwin:
     def __post_init__(self) -> None:
         if self.prefills < 1 or self.decodes < 1:
             raise ValueError("at least one prefill and one decode")
-        self.names = host_names(self.prefills, self.decodes)
+        self.names = [
+            ROUTER,
+            *(f"prefill-{i}" for i in range(self.prefills)),
+            *(f"decode-{i}" for i in range(self.decodes)),
+        ]
         self.net = netns.Network(TAG, self.names)
         self.procs = supervisor.Processes(self.run_dir, "processes.json", self.progress)
         self.ports = config.ports()
@@ -129,24 +125,21 @@ class HostsTwin:
             env: dict[str, str] = {}
             deadline = supervisor.ROUTER_DEADLINE_S
         else:
-            argv, env = self._server_command(name, role)
+            from pdstack.serve import command
+
+            # serve reads site overrides (PD_ENGINE_ID) from the environment,
+            # as inside a container.
+            site = {"PD_ENGINE_ID": name} if role == "prefill" else {}
+            with mock.patch.dict(os.environ, site):
+                argv, env = command(role, self.profile, "cpu", "0.0.0.0")
+            # The host's own address, not the twin's loopback pin.
+            extra = (self.role_env or {}).get(role, {})
+            env = {**env, **extra, "VLLM_HOST_IP": host.address}
             deadline = supervisor.SERVER_DEADLINE_S
         self.procs.launch(
             name, [*host.exec_prefix(), *argv], env, self.url(name), again
         )
         return self.procs.wait_healthy(name, deadline) if wait_healthy else deadline
-
-    def _server_command(self, name: str, role: str) -> tuple[list[str], dict[str, str]]:
-        from pdstack.serve import command
-
-        extra = dict((self.role_env or {}).get(role, {}))
-        site = {"PD_ENGINE_ID": name} if role == "prefill" else {}
-        # serve reads site overrides (PD_ENGINE_ID) from the environment, as
-        # inside a container.
-        with mock.patch.dict(os.environ, site):
-            argv, env = command(role, self.profile, "cpu", "0.0.0.0")
-        # The host's own address, not the twin's loopback pin.
-        return argv, {**env, **extra, "VLLM_HOST_IP": self.net[name].address}
 
     def kill(self, name: str) -> float:
         """SIGKILL ``name``'s whole process group, as a crash would."""

@@ -30,14 +30,9 @@ GQA = registration.GQA_LAYOUT
 
 # Bytes per element of vLLM's dtype and kv-cache-dtype names.
 DTYPE_BYTES = {
-    "float32": 4,
-    "float": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "half": 2,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
+    **dict.fromkeys(("float32", "float"), 4),
+    **dict.fromkeys(("bfloat16", "float16", "half"), 2),
+    **dict.fromkeys(("fp8", "fp8_e4m3", "fp8_e5m2"), 1),
 }
 
 

@@ -22,7 +22,6 @@ import contextlib
 import ipaddress
 import os
 import shutil
-import signal
 import subprocess
 import zlib
 from collections.abc import Iterator, Sequence
@@ -159,7 +158,7 @@ class Network:
                 br, "ip", "link", "add", host.port, "type", "veth",
                 "peer", "name", "eth0", "netns", host.netns,
             )  # fmt: skip
-            self._plug(host.port)
+            self._in(br, "ip", "link", "set", host.port, "master", "br0", "up")
             self._address(host, host.address)
         # This process's way in: a link with only the subnet's connected route.
         _run(
@@ -171,9 +170,6 @@ class Network:
              "dev", self.client_link)  # fmt: skip
         _run("ip", "link", "set", self.client_link, "up")
         self.write_hosts()
-
-    def _plug(self, port: str) -> None:
-        self._in(self.bridge_ns, "ip", "link", "set", port, "master", "br0", "up")
 
     def _address(self, host: Host, address: str) -> None:
         self._in(host.netns, "ip", "addr", "flush", "dev", "eth0")
@@ -190,11 +186,12 @@ class Network:
         if missing_privileges():
             return
         ours = [ns for ns in namespaces() if ns.startswith(self.base)]
-        victims = {pid for ns in ours for pid in pids_in(ns)}
-        for pid in victims:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        _wait_gone(victims, 10.0)
+        victims = []
+        for pid in {pid for ns in ours for pid in pids_in(ns)}:
+            with contextlib.suppress(psutil.Error):
+                victims.append(psutil.Process(pid))
+                victims[-1].kill()
+        psutil.wait_procs(victims, 10.0)
         for ns in ours:
             _run("ip", "netns", "delete", ns, check=False)
         _run("ip", "link", "delete", self.client_link, check=False)
@@ -275,11 +272,3 @@ def rate_bits(rate: str) -> int:
         if rate.endswith(unit):
             return int(float(rate[: -len(unit)]) * factor)
     raise ValueError(f"rate {rate!r}: expected e.g. 500mbit or 1gbit")
-
-
-def _wait_gone(pids: set[int], deadline_s: float) -> None:
-    procs = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            procs.append(psutil.Process(pid))
-    psutil.wait_procs(procs, deadline_s)

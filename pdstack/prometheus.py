@@ -21,8 +21,7 @@ import yaml
 
 from pdstack import compose, supervisor, wait
 
-ROOT = Path(__file__).resolve().parent.parent
-MONITORING = ROOT / "docker" / "monitoring"
+MONITORING = compose.ROOT / "docker" / "monitoring"
 ALERTS = MONITORING / "prometheus" / "alerts.yml"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "pd-mooncake.json"
 # The container path compose mounts the rules at (docker/compose.stack.yaml).

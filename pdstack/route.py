@@ -45,17 +45,8 @@ OPEN_PATHS = frozenset({"/health"})
 # Not forwarded in either direction (RFC 9110 section 7.6.1), plus what the
 # proxy sets itself.
 HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-    }
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization"}
+    | {"te", "trailer", "transfer-encoding", "upgrade", "host"}
 )
 BACKEND_FLAG = "--backend"
 
@@ -79,8 +70,7 @@ def command(env: Mapping[str, str]) -> list[str]:
     )
     # vllm-router serves Prometheus metrics on 127.0.0.1 by default: out of
     # reach of a scraper in another container.
-    argv += ["--prometheus-host", host]
-    return argv
+    return [*argv, "--prometheus-host", host]
 
 
 def api_key(env: Mapping[str, str]) -> str | None:

@@ -30,16 +30,9 @@ def command(role: str, profile: str, target: str, host: str) -> tuple[list[str],
     flags, substitutions = plan(role, profile, target)
     ports = config.ports()
     port = ports.prefill if role == "prefill" else ports.decode
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--host",
-        host,
-        *config.render(flags, substitutions),
-        "--port",
-        str(port),
-    ]
+    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    rendered = config.render(flags, substitutions)
+    argv = [*server, "--host", host, *rendered, "--port", str(port)]
     return argv, config.server_env(role, target, ports.bootstrap)
 
 

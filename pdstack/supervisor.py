@@ -259,8 +259,7 @@ class Processes:
             )
         self.popen[name], self.urls[name] = proc, url
         self._write({**self.records(), name: Record.of(proc.pid)})
-        again_ = " again" if again else ""
-        self.progress(f"started {name}{again_} (pid {proc.pid}), log {log}")
+        self.progress(f"started {name}{' again' * again} (pid {proc.pid}), log {log}")
         return proc
 
     def wait_healthy(self, name: str, deadline_s: float) -> float:

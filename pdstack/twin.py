@@ -20,11 +20,8 @@ from pathlib import Path
 from pdstack import config, supervisor, wait
 from pdstack.supervisor import HOST, ROUTER_DEADLINE_S, SERVER_DEADLINE_S, Urls, urls
 
-RUN_DIR = Path(
-    os.environ.get(
-        "PD_RUN_DIR", Path(__file__).resolve().parent.parent / "run" / "twin"
-    )
-)
+ROOT = Path(__file__).resolve().parent.parent
+RUN_DIR = Path(os.environ.get("PD_RUN_DIR", ROOT / "run" / "twin"))
 STATE_FILE = "processes.json"
 ROLE_NAMES = (*config.ROLES, "router")
 
