@@ -50,6 +50,7 @@ KINDS = {"ConfigMap", "Service", "StatefulSet", "Deployment", "NetworkPolicy"}
 # the roles, so Service DNS names read prefill-0.prefill, decode-0.decode.
 SERVING = config.ROLES
 ROUTER = "router"
+ROUTER_URLS = ("PREFILL_URL", "DECODE_URL")  # its backends, in its environment
 
 
 @dataclass(frozen=True)
@@ -393,7 +394,7 @@ def service_violations(objects: list[Object]) -> Iterator[str]:
     # The init container must wait for the backends the router will use.
     for init in pod(found[ROUTER]).get("initContainers", []):
         env = container_env(objects, init)
-        for variable in ("PREFILL_URL", "DECODE_URL"):
+        for variable in ROUTER_URLS:
             if env.get(variable) != router_env.get(variable):
                 yield f"router/{init['name']}: waits on another {variable}"
 
@@ -766,22 +767,19 @@ K8S_ONLY_SERVING_ENV = {
 }
 # And the router's: pd-ports again; the URLs themselves are compared apart.
 K8S_ONLY_ROUTER_ENV = {"PREFILL_PORT", "DECODE_PORT"}
-ROUTER_URLS = ("PREFILL_URL", "DECODE_URL")
 
 
 def env_drift(
     compose: Mapping[str, str], k8s: Mapping[str, str], k8s_only: set[str]
-) -> list[str]:
-    problems = []
+) -> Iterator[str]:
     for name in sorted(compose.keys() | k8s.keys()):
         if name not in k8s:
-            problems.append(f"{name}: set by compose only")
+            yield f"{name}: set by compose only"
         elif name not in compose:
             if name not in k8s_only:
-                problems.append(f"{name}: set by the manifests only")
+                yield f"{name}: set by the manifests only"
         elif compose[name] != k8s[name]:
-            problems.append(f"{name}: compose {compose[name]!r}, k8s {k8s[name]!r}")
-    return problems
+            yield f"{name}: compose {compose[name]!r}, k8s {k8s[name]!r}"
 
 
 @pytest.mark.parametrize("role", SERVING)
@@ -796,7 +794,7 @@ def test_servers_run_what_compose_runs(overlay: str, role: str, serves: Serves) 
     assert container["args"] == service["command"]
     theirs, mine = environment(service), container_env(objects, container)
     assert mine["PD_PROFILE"] == overlay
-    assert env_drift(theirs, mine, K8S_ONLY_SERVING_ENV) == []
+    assert list(env_drift(theirs, mine, K8S_ONLY_SERVING_ENV)) == []
     expected = serves(service["command"], theirs)
     engine_id = mine.pop("PD_ENGINE_ID", None)
     assert serves(container["args"], mine) == expected
@@ -821,7 +819,7 @@ def test_server_comparison_catches_drift(serves: Serves) -> None:
     container = main_container(workloads(objects)["decode"])
     container["env"].remove(named(container["env"], "WITH_NVIDIA_PEERMEM"))
     theirs, mine = environment(service), container_env(objects, container)
-    assert env_drift(theirs, mine, K8S_ONLY_SERVING_ENV) == [
+    assert list(env_drift(theirs, mine, K8S_ONLY_SERVING_ENV)) == [
         "PD_GPU_MEMORY_UTILIZATION: compose '', k8s '0.5'",
         "WITH_NVIDIA_PEERMEM: set by compose only",
     ]
@@ -856,7 +854,7 @@ def test_router_runs_what_compose_runs(overlay: str) -> None:
         compose_url, k8s_url = (urlsplit(env.pop(url)) for env in (theirs, mine))
         assert compose_url.scheme == k8s_url.scheme, url
         assert (compose_url.port, compose_url.path) == (k8s_url.port, k8s_url.path)
-    assert env_drift(theirs, mine, K8S_ONLY_ROUTER_ENV) == []
+    assert list(env_drift(theirs, mine, K8S_ONLY_ROUTER_ENV)) == []
     fill = {url: "http://backend:1" for url in ROUTER_URLS}
     assert router_launch({**mine, **fill}) == router_launch({**theirs, **fill})
 
@@ -864,7 +862,7 @@ def test_router_runs_what_compose_runs(overlay: str) -> None:
 def test_router_comparison_catches_drift() -> None:
     theirs = environment(compose_services("tiny")[ROUTER])
     mine = {**theirs, "ROUTER_METRICS_PORT": "9100", "BOOTSTRAP_PORT": "9000"}
-    assert env_drift(theirs, mine, K8S_ONLY_ROUTER_ENV) == [
+    assert list(env_drift(theirs, mine, K8S_ONLY_ROUTER_ENV)) == [
         "BOOTSTRAP_PORT: compose '8998', k8s '9000'",
         "ROUTER_METRICS_PORT: compose '29000', k8s '9100'",
     ]
