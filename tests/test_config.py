@@ -56,29 +56,25 @@ def test_env_overrides_reach_the_connector_config() -> None:
     }
 
 
-def test_the_kv_staging_buffer_can_be_sized_by_the_environment() -> None:
+@pytest.mark.parametrize(
+    ("var", "raw", "key", "want", "bad"),
+    [
+        ("PD_MOONCAKE_KV_STAGING_MIB", "0", "kv_staging_mib", 0, "lots"),
+        ("PD_MOONCAKE_KV_CHECKSUM", "0", "kv_checksum", False, "maybe"),
+        ("PD_MOONCAKE_KV_CHECKSUM", "false", "kv_checksum", False, "maybe"),
+        ("PD_MOONCAKE_KV_CHECKSUM", "1", "kv_checksum", True, "maybe"),
+    ],
+)
+def test_the_kv_staging_buffer_and_checksum_follow_the_environment(
+    var: str, raw: str, key: str, want: int, bad: str
+) -> None:
     for role in config.ROLES:
-        flags = config.with_env_overrides(
-            config.vllm_flags(role, "tiny", "cpu"), {"PD_MOONCAKE_KV_STAGING_MIB": "0"}
-        )
-        extra = flags["kv-transfer-config"]["kv_connector_extra_config"]
-        assert extra["kv_staging_mib"] == 0
-    with pytest.raises(config.ConfigError, match="PD_MOONCAKE_KV_STAGING_MIB"):
-        config.with_env_overrides({}, {"PD_MOONCAKE_KV_STAGING_MIB": "lots"})
-
-
-@pytest.mark.parametrize(("raw", "on"), [("0", False), ("false", False), ("1", True)])
-def test_the_kv_checksum_can_be_switched_by_the_environment(raw: str, on: bool) -> None:
-    for role in config.ROLES:
-        flags = config.with_env_overrides(
-            config.vllm_flags(role, "tiny", "cpu"), {"PD_MOONCAKE_KV_CHECKSUM": raw}
-        )
-        assert (
-            flags["kv-transfer-config"]["kv_connector_extra_config"]["kv_checksum"]
-            is on
-        )
-    with pytest.raises(config.ConfigError, match="PD_MOONCAKE_KV_CHECKSUM"):
-        config.with_env_overrides({}, {"PD_MOONCAKE_KV_CHECKSUM": "maybe"})
+        base = config.vllm_flags(role, "tiny", "cpu")
+        flags = config.with_env_overrides(base, {var: raw})
+        got = flags["kv-transfer-config"]["kv_connector_extra_config"][key]
+        assert (got, type(got)) == (want, type(want))
+    with pytest.raises(config.ConfigError, match=var):
+        config.with_env_overrides({}, {var: bad})
 
 
 def test_each_prefill_replica_can_have_its_own_engine_id() -> None:
@@ -96,16 +92,16 @@ def test_bad_override_names_the_variable() -> None:
 
 
 @pytest.mark.parametrize(
-    ("call", "message"),
+    ("names", "message"),
     [
-        (lambda: config.vllm_flags("router", "tiny", "cpu"), "unknown role"),
-        (lambda: config.vllm_flags("prefill", "huge", "cpu"), "unknown profile"),
-        (lambda: config.vllm_flags("prefill", "tiny", "tpu"), "unknown target"),
+        (("router", "tiny", "cpu"), "unknown role"),
+        (("prefill", "huge", "cpu"), "unknown profile"),
+        (("prefill", "tiny", "tpu"), "unknown target"),
     ],
 )
-def test_unknown_names_are_config_errors(call, message: str) -> None:
+def test_unknown_names_are_config_errors(names: tuple[str, ...], message: str) -> None:
     with pytest.raises(config.ConfigError, match=message):
-        call()
+        config.vllm_flags(*names)
 
 
 def test_ports_come_from_ports_env_and_the_environment_wins() -> None:
