@@ -122,8 +122,7 @@ def workloads(objects: list[Object]) -> dict[str, Object]:
 
 def servers(objects: list[Object]) -> list[tuple[str, Object]]:
     """(name, workload) of prefill and decode, in that order."""
-    found = workloads(objects)
-    return [(name, found[name]) for name in SERVING]
+    return [(name, workloads(objects)[name]) for name in SERVING]
 
 
 def pod(workload: Object) -> Object:
