@@ -17,7 +17,6 @@ import json
 import re
 import subprocess
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -52,20 +51,12 @@ SERVING = config.ROLES
 ROUTER = "router"
 ROUTER_URLS = ("PREFILL_URL", "DECODE_URL")  # its backends, in its environment
 
-
-@dataclass(frozen=True)
-class Twin:
-    """The compose services that an overlay deploys on Kubernetes."""
-
-    compose_profiles: tuple[str, ...]
-    trio: tuple[str, str, str]  # compose's prefill, decode, router
-
-
-# Each overlay, named after the profile it deploys (PD_PROFILE), and its
-# compose counterpart: tiny is the default trio (TCP); kimi-k2.5 the `rdma` trio.
-OVERLAYS = {
-    "tiny": Twin((), manifests.TCP_TRIO),
-    "kimi-k2.5": Twin(("rdma",), manifests.RDMA_TRIO),
+# Each overlay, named after the profile it deploys (PD_PROFILE), and its compose
+# twin: the compose profiles to enable and the trio (prefill, decode, router);
+# tiny is the default trio (TCP), kimi-k2.5 the `rdma` trio.
+OVERLAYS: dict[str, tuple[tuple[str, ...], tuple[str, str, str]]] = {
+    "tiny": ((), manifests.TCP_TRIO),
+    "kimi-k2.5": (("rdma",), manifests.RDMA_TRIO),
 }
 each_overlay = pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 # Each workload's named ports and the configs/ports.env variable each carries
@@ -183,11 +174,11 @@ def container_env(objects: list[Object], container: Object) -> dict[str, str]:
 
 def compose_services(overlay: str) -> dict[str, Object]:
     """Compose's service for each workload (prefill, decode, router)."""
-    twin = OVERLAYS[overlay]
+    compose_profiles, trio = OVERLAYS[overlay]
     # .env and configs/ports.env as on a GPU host; the profile from the
     # "shell", which wins over .env.
-    model = manifests.compose_config(twin.compose_profiles, env={"PD_PROFILE": overlay})
-    names = zip((*SERVING, ROUTER), twin.trio, strict=True)
+    model = manifests.compose_config(compose_profiles, env={"PD_PROFILE": overlay})
+    names = zip((*SERVING, ROUTER), trio, strict=True)
     return {name: model["services"][service] for name, service in names}
 
 
