@@ -2,9 +2,7 @@
 
 vllm-router 0.1.17 does not check its clients' key (the e2e fault suite shows
 it on the twin); with ROUTER_API_KEY_FILE set, pdstack.route answers in front
-of it. Here: 401 without or with a wrong key, streaming passes through chunk
-by chunk, the key never reaches the router, a client that leaves closes the
-forwarded request, and /health stays open.
+of it.
 """
 
 from __future__ import annotations

@@ -80,14 +80,6 @@ class Stubs:
         app.router.add_get("/query", query)
         return app
 
-    def urls(self) -> supervisor.Urls:
-        return supervisor.Urls(
-            router=f"http://{HOST}:{free_port()}",
-            prefill=f"http://{HOST}:{self.ports['prefill']}",
-            decode=f"http://{HOST}:{self.ports['decode']}",
-            bootstrap_port=self.ports["bootstrap"],
-        )
-
 
 @pytest.fixture(scope="module")
 def stubs() -> Iterator[Stubs]:
@@ -98,7 +90,12 @@ def stubs() -> Iterator[Stubs]:
 
 @contextlib.contextmanager
 def router(stubs: Stubs, tmp_path: Path, extra: list[str]) -> Iterator[str]:
-    urls = stubs.urls()
+    urls = supervisor.Urls(
+        router=f"http://{HOST}:{free_port()}",
+        prefill=f"http://{HOST}:{stubs.ports['prefill']}",
+        decode=f"http://{HOST}:{stubs.ports['decode']}",
+        bootstrap_port=stubs.ports["bootstrap"],
+    )
     argv = supervisor.router_command(urls, extra, metrics_port=free_port())
     procs = supervisor.Processes(tmp_path, "router.json", lambda line: None)
     procs.launch("router", argv, {}, urls.router)

@@ -106,11 +106,8 @@ def test_wait_fails_fast_with_the_log_tail_when_the_process_dies(
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "prefill.log"
-    proc = twin.processes(tmp_path, progress=lambda _: None).launch(
-        "prefill",
-        [sys.executable, "-c", "print('boom: no model'); raise SystemExit(3)"],
-        {},
-    )
+    boom = [sys.executable, "-c", "print('boom: no model'); raise SystemExit(3)"]
+    proc = twin.processes(tmp_path, progress=lambda _: None).launch("prefill", boom, {})
     start = time.monotonic()
     with pytest.raises(
         wait.WaitError, match=r"exited with code 3(.|\n)*boom: no model"
@@ -119,7 +116,7 @@ def test_wait_fails_fast_with_the_log_tail_when_the_process_dies(
     assert time.monotonic() - start < 10
 
 
-def test_wait_has_a_deadline(tmp_path: Path) -> None:
+def test_wait_has_a_deadline() -> None:
     start = time.monotonic()
     with pytest.raises(wait.WaitError, match="not healthy"):
         wait.until_healthy("x", "http://127.0.0.1:9", 1.5, interval_s=0.2)
