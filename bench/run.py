@@ -1,26 +1,11 @@
 """The whole benchmark, as `make bench` runs it; every step has a deadline.
 
-On the CPU twin (no URLs given) the bench starts and stops its own servers:
-
-1. the transfer-engine micro-benchmark, on a quiet machine; then the engine
-   between two hosts (bench.hosts_link: network namespaces, root only);
-2. the P/D stack from an empty model cache (cold: generation included), stopped;
-3. the P/D stack again with the model cached: kept, its memory sampled;
-4. the colocated server beside it (idle while P/D runs, and the reverse);
-5. the router's protocol read through taps, then router vs direct legs;
-6. the `vllm bench serve` sweep, P/D and colocated alternating per level;
-7. the KV checksum's cost (bench.kv_checksum): the colocated server stopped,
-   requests one at a time through P/D with the checksum on, then again after
-   a restart with it off;
-8. the KV path (bench.kv_path): staged and, after a restart with
-   ``PD_MOONCAKE_KV_STAGING_MIB=0``, direct sends, each on a fresh stack,
-   then after a burst that fragments the servers' free block lists;
-9. everything stopped; the digest alone, in-process; report.md, report.png,
-   summary.json written.
-
-Against given URLs (a compose stack on GPUs) steps 2-4, 7, 8 and the memory
-are skipped. ``python -m bench checksum`` runs steps 7 and 9 alone, ``python
--m bench kv-path`` step 8, then the engine alone at its transfers' sizes.
+On the CPU twin (no URLs given) the bench starts and stops its own servers;
+its nine steps are docs/bench.md's "What runs" (the transfer engine first, on
+a quiet machine; the digest last, everything stopped). Against given URLs (a
+compose stack on GPUs) steps 2-4, 7, 8 and the memory are skipped. ``python
+-m bench checksum`` runs steps 7 and 9 alone, ``python -m bench kv-path`` step
+8, then the engine alone at its transfers' sizes.
 """
 
 from __future__ import annotations
@@ -80,23 +65,6 @@ class Clock:
         print(f"[bench {elapsed / 60:4.1f}m] {line}", flush=True)
 
 
-def _versions() -> dict[str, str]:
-    out = {}
-    for dist in VERSIONS_OF:
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            out[dist] = metadata.version(dist)
-    return out
-
-
-def _machine() -> str:
-    mem = psutil.virtual_memory().total / (1 << 30)
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (
-        f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, "
-        f"{mem:.0f} GiB; load average at start {load}"
-    )
-
-
 def _bench_subprocess(
     args: list[str], log: Path, deadline_s: float, progress: Clock
 ) -> None:
@@ -115,13 +83,12 @@ def transfer_engine_step(
 ) -> None:
     """In a subprocess: Mooncake's own logging goes to a file, not the screen."""
     progress("transfer engine micro-benchmark (Mooncake TCP vs socket vs memcpy)")
-    sizes = ",".join(str(size) for size in s.transfer_sizes)
     args = [
         "transfer", "--json", str(out / "transfer_engine.json"),
-        "--transfer-sizes", sizes, "--transfer-repeats", str(s.transfer_repeats),
+        "--transfer-sizes", ",".join(map(str, s.transfer_sizes)),
+        "--transfer-repeats", str(s.transfer_repeats),
+        *(["--defaults-only"] if defaults_only else []),
     ]  # fmt: skip
-    if defaults_only:
-        args.append("--defaults-only")
     _bench_subprocess(args, out / "transfer_engine.log", TRANSFER_DEADLINE_S, progress)
 
 
@@ -168,7 +135,7 @@ def checksum_step(
             if state == "off":
                 progress(f"KV checksum off: P/D restarted with {kv_checksum.ENV}=0")
                 env = {kv_checksum.ENV: "0"}
-                urls, timings, _ = stack.restart_pd(own, s.profile, env, progress)
+                urls, timings, _ = stack.restart_pd(own, s.profile, env)
                 restart = {"restart_s": timings["total"]}
             progress(f"KV checksum {state}: one request at a time")
             before = m.scrape(urls.decode)
@@ -194,7 +161,7 @@ def kv_path_step(
             env = kv_path.STATE_ENV[state]
             given = ", ".join(f"{k}={v}" for k, v in env.items()) or "as it is"
             progress(f"KV path '{state}': P/D (re)started, environment {given}")
-            urls, timings, notes = stack.restart_pd(own, s.profile, env, progress)
+            urls, timings, notes = stack.restart_pd(own, s.profile, env)
             _write_layout(s, urls, out)
             progress(f"KV path '{state}': {kv_path.describe(s)}")
             plan = kv_path.plan(s, urls.router, urls.prefill, where, tokenizer,
@@ -317,13 +284,20 @@ def _start(s: Settings, progress: Clock) -> tuple[Path, dict[str, Any]]:
     out = s.out_root / started
     (out / "raw").mkdir(parents=True, exist_ok=True)
     progress(f"results in {out}")
+    versions = {}
+    for dist in VERSIONS_OF:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[dist] = metadata.version(dist)
+    mem = psutil.virtual_memory().total / (1 << 30)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return out, {
         "started": started,
         "profile": s.profile,
         "output_len": s.output_len,
         "settings": {k: str(v) for k, v in asdict(s).items()},
-        "versions": _versions(),
-        "machine": _machine(),
+        "versions": versions,
+        "machine": f"{platform.processor() or platform.machine()}, "
+        f"{psutil.cpu_count()} cores, {mem:.0f} GiB; load average at start {load}",
         "skipped_levels": [f"{n} x {c}" for n, c in s.skipped_levels()],
         "notes": [],
     }
@@ -371,8 +345,7 @@ def checksum_only(s: Settings) -> Path:
     bench's own P/D stack (started with it on), then the digest alone."""
 
     def body(own: supervisor.Processes, out: Path, progress: Clock) -> list[str]:
-        env = {kv_checksum.ENV: "1"}
-        urls, _, notes = stack.start_pd(own, s.profile, progress, env)
+        urls, _, notes = stack.start_pd(own, s.profile, env={kv_checksum.ENV: "1"})
         _write_layout(s, urls, out)
         checksum_step(s, own, urls, out, progress)
         return notes
@@ -412,14 +385,14 @@ def run(s: Settings) -> Path:
                 progress(f"cold start: generating the model into an empty {cache}")
                 gen_s = stack.generate_model(cache, s.run_dir / "model-generation.log")
                 env = {"PD_MODEL_CACHE": str(cache)}
-                _, timings, _ = stack.start_pd(own, s.profile, progress, env)
+                _, timings, _ = stack.start_pd(own, s.profile, env=env)
                 own.stop()
                 shutil.rmtree(cache, ignore_errors=True)
                 startup["cold: model generation"] = gen_s
                 startup["cold: servers until the router is healthy"] = timings["total"]
                 startup["cold start, total"] = gen_s + timings["total"]
             progress("start-up with the model cached")
-            pd_urls, timings, notes = stack.start_pd(own, s.profile, progress)
+            pd_urls, timings, notes = stack.start_pd(own, s.profile)
             startup["cached start: prefill healthy"] = timings["prefill"]
             startup["cached start: decode healthy"] = timings["decode"]
             startup["cached start, total (router healthy)"] = timings["total"]
@@ -428,9 +401,8 @@ def run(s: Settings) -> Path:
             with memory.PeakMemory(groups) as sampler:
                 peak = sampler.peak
                 colo_url, colo_s, colo_notes = stack.start_colocated(
-                    own, s.profile, s.colocated_port, s.colocated_threads,
-                    progress,
-                )  # fmt: skip
+                    own, s.profile, s.colocated_port, s.colocated_threads
+                )
                 startup["colocated server healthy"] = colo_s
                 meta["notes"] += notes + colo_notes
                 urls = replace(pd_urls, colocated=colo_url)
