@@ -58,32 +58,6 @@ ENGINE_SERIES = (
 )
 
 
-def load_levels(raw: Path) -> tuple[list[LevelResult], dict[str, str]]:
-    """Level results, and the status of every planned level (also failed ones)."""
-    status = {
-        path.name.removesuffix(".status.json"): read_json(path).get("status", "?")
-        for path in sorted(raw.glob("*.status.json"))
-    }
-    levels = [
-        LevelResult.from_json(read_json(path))
-        for path in sorted(raw.glob("*.json"))
-        if not path.name.endswith((".status.json", ".kv.json"))
-    ]
-    return levels, status
-
-
-def pair_levels(levels: Sequence[LevelResult], raw: Path) -> list[Pair]:
-    """Each P/D level with the colocated one of the same prompt length and
-    concurrency, and the P/D level's transfer counters (its .kv.json)."""
-    by_key = {(lv.target, lv.input_len, lv.concurrency): lv for lv in levels}
-    return [
-        Pair(length, conc, by_key.get(("pd", length, conc)),
-             by_key.get(("colocated", length, conc)),
-             read_json(raw / f"{level_name('pd', length, conc)}.kv.json"))
-        for length, conc in sorted({(lv.input_len, lv.concurrency) for lv in levels})
-    ]  # fmt: skip
-
-
 def comparison_table(pairs: Sequence[Pair]) -> list[str]:
     def cells(pair: Pair) -> list[str]:
         out = [str(pair.input_len), str(pair.concurrency)]
@@ -173,10 +147,29 @@ class Run:
     @classmethod
     def read(cls, run_dir: Path) -> Run:
         raw = run_dir / "raw"
-        levels, status = load_levels(raw) if raw.exists() else ([], {})
+        files = sorted(raw.glob("*.json"))
+        # Every planned level's status (also failed ones'), then the results.
+        status = {
+            p.name.removesuffix(".status.json"): read_json(p).get("status", "?")
+            for p in files
+            if p.name.endswith(".status.json")
+        }
+        levels = [
+            LevelResult.from_json(read_json(p))
+            for p in files
+            if not p.name.endswith((".status.json", ".kv.json"))
+        ]
+        by_key = {(lv.target, lv.input_len, lv.concurrency): lv for lv in levels}
+        # Each P/D level with the colocated one of the same prompt length and
+        # concurrency, and the P/D level's transfer counters (its .kv.json).
+        pairs = [
+            Pair(n, c, by_key.get(("pd", n, c)), by_key.get(("colocated", n, c)),
+                 read_json(raw / f"{level_name('pd', n, c)}.kv.json"))
+            for n, c in sorted({(lv.input_len, lv.concurrency) for lv in levels})
+        ]  # fmt: skip
         engine = read_json(run_dir / "transfer_engine.json")
         return cls(
-            pairs=pair_levels(levels, raw),
+            pairs=pairs,
             status=status,
             comparisons=te.compare(te.from_json(engine)) if engine else [],
             overhead=read_json(run_dir / "router_overhead.json"),
