@@ -129,16 +129,10 @@ def _router_met(real: Sequence[Any], stubs: Sequence[Any]) -> bool | None:
     """
     real_iv, stub_iv = _interval(real), _interval(stubs)
     target_ms = ROUTER_P50_TARGET_MS
-    if real_iv is not None and real_iv[0] > target_ms:
-        return False
-    if real_iv is not None and real_iv[1] <= target_ms:
-        return True
-    if stub_iv is None:
-        return None
-    if stub_iv[1] <= target_ms:
-        return True
-    if stub_iv[0] > target_ms:
-        return False
+    if real_iv is not None and (real_iv[0] > target_ms or real_iv[1] <= target_ms):
+        return real_iv[0] <= target_ms
+    if stub_iv is not None and (stub_iv[0] > target_ms or stub_iv[1] <= target_ms):
+        return stub_iv[1] <= target_ms
     return None
 
 
@@ -198,8 +192,9 @@ def _memory_target(memory: Mapping[str, Any] | None) -> Target:
     """Judged on PSS, the memory the processes occupy together: RSS counts the
     pages they share (torch's libraries, in six processes) once per process."""
     name = "Peak resident memory of the P/D twin (sum over its processes, PSS)"
+    target = f"<= {human_bytes(MEMORY_TARGET_BYTES)}"
     if not memory or not memory.get("rss_total"):
-        return Target(name, "<= 6 GiB", "not measured", None)
+        return Target(name, target, "not measured", None)
     rss = int(memory["rss_total"])
     pss = int(memory.get("pss_total") or 0)
     peak = pss or rss
@@ -208,9 +203,8 @@ def _memory_target(memory: Mapping[str, Any] | None) -> Target:
         f"{k} {v / GIB:.2f}" for k, v in memory.get("rss_by_group", {}).items()
     )
     note = f"RSS sum {rss / GIB:.2f} GiB (shared pages counted in every process): "
-    note += f"{groups} GiB"
     met = peak <= MEMORY_TARGET_BYTES
-    return Target(name, "<= 6 GiB", measured, met, note, advice("Memory"))
+    return Target(name, target, measured, met, f"{note}{groups} GiB", advice("Memory"))
 
 
 def _checksum_target(result: kv_checksum.Result | None) -> Target:
@@ -237,8 +231,7 @@ def _checksum_target(result: kv_checksum.Result | None) -> Target:
             f"; the digest alone (one thread, prefill and decode once each): "
             f"{2 * digest_s * 1e3:.0f} ms = {fmt_pct(share)}"
         )
-    wrong = result.as_intended()
-    if wrong:
+    if wrong := result.as_intended():
         note = f"not judged: {wrong}; {note}"
     measured = (
         f"{fmt_pct(cost[1])} ({cost[0]:+,.0f} ms: TTFT p50 "
