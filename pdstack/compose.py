@@ -42,12 +42,9 @@ def cli(
     """`docker compose` on the repository's files, without the caller's shell
     environment (only what ``env`` and ``env_files`` say)."""
     command = [str(binary()), "--project-directory", str(ROOT)]
-    for env_file in env_files:
-        command += ["--env-file", str(env_file)]
-    for file in files:
-        command += ["-f", str(file)]
-    for profile in profiles:
-        command += ["--profile", profile]
+    options = (("--env-file", env_files), ("-f", files), ("--profile", profiles))
+    for flag, values in options:
+        command += [arg for value in values for arg in (flag, str(value))]
     clean = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/")}
     return subprocess.run(
         [*command, *args],

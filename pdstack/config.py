@@ -183,6 +183,11 @@ ENV_OVERRIDES: dict[str, tuple[str, tuple[str, ...], type]] = {
     # it to the StatefulSet pod name, which survives a restart.
     "PD_ENGINE_ID": ("kv-transfer-config", ("engine_id",), str),
 }
+# The words a bool override takes (``bool("false")`` is True).
+BOOLS = {
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+    **dict.fromkeys(("0", "false", "no", "off"), False),
+}
 
 
 def with_env_overrides(
@@ -196,8 +201,8 @@ def with_env_overrides(
         if not raw:
             continue
         try:
-            value = _parse_bool(raw) if kind is bool else kind(raw)
-        except ValueError as exc:
+            value = BOOLS[raw.strip().lower()] if kind is bool else kind(raw)
+        except (KeyError, ValueError) as exc:
             raise ConfigError(f"{var}={raw!r}: expected {kind.__name__}") from exc
         if not path:
             out[flag] = value
@@ -207,16 +212,6 @@ def with_env_overrides(
             node = node.setdefault(key, {})
         node[path[-1]] = value
     return out
-
-
-def _parse_bool(raw: str) -> bool:
-    """1/0, true/false, yes/no, on/off (``bool("false")`` is True)."""
-    words = {"1": True, "true": True, "yes": True, "on": True}
-    words |= {"0": False, "false": False, "no": False, "off": False}
-    try:
-        return words[raw.strip().lower()]
-    except KeyError:
-        raise ValueError(raw) from None
 
 
 def server_env(role: str, target_name: str, bootstrap_port: int) -> dict[str, str]:

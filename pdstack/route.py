@@ -131,17 +131,10 @@ def auth_proxy_app(key: str, upstream: str) -> Any:
     async def forward(request: web.Request) -> web.StreamResponse:
         open_path = request.path in OPEN_PATHS and request.method in ("GET", "HEAD")
         if not open_path and not authorized(request.headers, key):
+            message = "missing or invalid API key (Authorization: Bearer <key>)"
+            error = {"message": message, "type": "Unauthorized", "code": 401}
             return web.json_response(
-                {
-                    "error": {
-                        "message": "missing or invalid API key "
-                        "(Authorization: Bearer <key>)",
-                        "type": "Unauthorized",
-                        "code": 401,
-                    }
-                },
-                status=401,
-                headers={"WWW-Authenticate": "Bearer"},
+                {"error": error}, status=401, headers={"WWW-Authenticate": "Bearer"}
             )
         headers = _forwardable(request.headers)
         # vllm-router does not need the client's key; keep it out of its logs.

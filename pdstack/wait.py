@@ -102,10 +102,8 @@ def until_healthy(
     progress: Callable[[str], None] = print,
     interval_s: float = 1.0,
 ) -> float:
-    """Poll ``url/health`` until 200, failing early if ``process`` exits.
-
-    Returns the seconds it took.
-    """
+    """Poll ``url/health`` until 200, failing early if ``process`` exits;
+    returns the seconds it took."""
     start = time.monotonic()
 
     def last_lines() -> str:

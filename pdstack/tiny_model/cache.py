@@ -114,17 +114,13 @@ def _remove_stale_temps(cache_dir: Path, prefix: str) -> None:
                 shutil.rmtree(path)
 
 
-def _make_readable(root: Path) -> None:
-    """mkdtemp and safetensors create owner-only entries; the cache may be
-    shared with a server running as another user."""
-    root.chmod(0o755)
-    for path in root.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
-
-
 def _install(tmp: Path, final: Path, stamp: str) -> None:
     """Atomically move a finished generation into place."""
-    _make_readable(tmp)
+    # mkdtemp and safetensors create owner-only entries; the cache may be
+    # shared with a server running as another user.
+    tmp.chmod(0o755)
+    for path in tmp.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
     if final.exists() and not _is_complete(final, stamp):
         shutil.rmtree(final)  # a damaged copy: the stamp names only our output
     try:
@@ -158,14 +154,9 @@ def ensure_models(
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix, dir=cache_dir))
     try:
         report = generate(tmp, progress)
-        (tmp / STAMP_FILE).write_text(
-            json.dumps(
-                {"stamp": stamp, "params": params.generator_params(), "fit": report},
-                indent=2,
-                sort_keys=True,
-                default=list,
-            )
-        )
+        record = {"stamp": stamp, "params": params.generator_params(), "fit": report}
+        text = json.dumps(record, indent=2, sort_keys=True, default=list)
+        (tmp / STAMP_FILE).write_text(text)
         _install(tmp, final, stamp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
