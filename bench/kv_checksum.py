@@ -5,16 +5,13 @@ Two measurements, both in the report's "KV checksum" section:
 - on the stack: the same requests through a P/D stack with the checksum on
   (as configs/vllm has it) and again after a restart with
   ``PD_MOONCAKE_KV_CHECKSUM=0``: TTFT and the transfer time per request, at
-  each prompt length, p50 over ``BENCH_CHECKSUM_REQUESTS`` requests. Each
-  request is its own ``vllm bench serve`` level of one prompt at concurrency
-  1, so the prefill's transfer counters give every request's own transfer
-  time (not a mean per level), and prefill and decode each digest one
-  request at a time, as on a quiet server. Both passes send the same prompts
-  (one seed per request, none shared with the main sweep, none shared
-  between lengths: the random dataset's prompts with one seed are prefixes
-  of each other) after one warm-up request that is not counted (the off
-  stack is new: its first transfer also connects Mooncake's peers). Decode's
-  checksum series say whether each pass really had it on or off.
+  each prompt length, p50 over ``BENCH_CHECKSUM_REQUESTS`` requests, each a
+  level of its own (bench.single_requests), so prefill and decode each digest
+  one request at a time, as on a quiet server. Both passes send the same
+  prompts (seeds clear of the main sweep's) after one warm-up request that is
+  not counted (the off stack is new: its first transfer also connects
+  Mooncake's peers). Decode's checksum series say whether each pass really
+  had it on or off.
 - the digest alone, in-process (``python -m bench checksum --digest-only``):
   real tensors shaped as the stack's KV regions (one per registered layer;
   the cache as large as a server's), a 4096-token request's blocks scattered
@@ -36,6 +33,7 @@ from typing import Any
 from bench import single_requests
 from bench.levels import fmt, fmt_pct, read_json, table
 from bench.settings import Settings, human_bytes
+from bench.single_requests import p50
 from bench.vllm_bench import Plan
 from pdstack import kv_layout
 from pdstack import metrics as m
@@ -85,10 +83,10 @@ class Side:
     transfer_ms: list[float]
 
     def p50_ttft(self) -> float | None:
-        return statistics.median(self.ttft_ms) if self.ttft_ms else None
+        return p50(self.ttft_ms)
 
     def p50_transfer(self) -> float | None:
-        return statistics.median(self.transfer_ms) if self.transfer_ms else None
+        return p50(self.transfer_ms)
 
 
 @dataclass(frozen=True)
@@ -105,9 +103,7 @@ class Result:
 
     def ttft_cost(self, length: int) -> tuple[float, float] | None:
         """(ms, share of the off TTFT) the checksum adds at ``length``, p50s."""
-        on, off = self.side("on", length), self.side("off", length)
-        a = on.p50_ttft() if on else None
-        b = off.p50_ttft() if off else None
+        a, b = (s.p50_ttft() if (s := self.side(k, length)) else None for k in STATES)
         if a is None or b is None or b <= 0:
             return None
         return a - b, (a - b) / b
@@ -125,17 +121,19 @@ def read(run_dir: Path) -> Result | None:
     root = run_dir / DIR
     if not root.exists():
         return None
-    sides: dict[str, dict[int, Side]] = {}
-    states = {}
-    for state in STATES:
-        where = root / state
-        sides[state] = {
-            n: Side([r.ttft_ms for r in got],
-                    [t for r in got if (t := r.transfer_ms()) is not None])
-            for n, got in single_requests.read(where).items()
-        }  # fmt: skip
-        if (state_data := read_json(where / STATE_FILE)) is not None:
-            states[state] = state_data
+    sides = {
+        state: {
+            n: Side(
+                [r.ttft_ms for r in got],
+                [t for r in got if (t := r.transfer_ms()) is not None],
+            )
+            for n, got in single_requests.read(root / state).items()
+        }
+        for state in STATES
+    }
+    states = {
+        s: d for s in STATES if (d := read_json(root / s / STATE_FILE)) is not None
+    }
     return Result(sides, states, read_json(root / DIGEST_FILE))
 
 
@@ -174,8 +172,7 @@ def markdown(result: Result) -> list[str]:
     out = ["## KV checksum: on / off", ""]
 
     def cells(n: int) -> list[str]:
-        on = result.side("on", n) or Side([], [])
-        off = result.side("off", n) or Side([], [])
+        on, off = (result.side(state, n) or Side([], []) for state in STATES)
         cost = result.ttft_cost(n)
         return [
             str(n),

@@ -35,7 +35,6 @@ bench.targets judges them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -45,7 +44,7 @@ from typing import Any
 
 from bench import kv_phases, kv_transfer, single_requests
 from bench import transfer_engine as te
-from bench.levels import fmt, fmt_pct, ratio, table
+from bench.levels import fmt, fmt_pct, ratio, read_json, table
 from bench.settings import Settings, human_bytes
 from bench.single_requests import Request, p50
 from bench.vllm_bench import Level, Plan
@@ -213,11 +212,10 @@ def _descriptors(cell: Cell | None) -> float | None:
 
 
 def _burst(where: Path) -> dict[str, Any]:
-    def load(suffix: str) -> dict[str, Any]:
-        path = where / f"{BURST}{suffix}"
-        return json.loads(path.read_text()) if path.exists() else {}
-
-    result, status, kv = load(".json"), load(".status.json"), load(".kv.json")
+    result, status, kv = (
+        read_json(where / f"{BURST}{suffix}") or {}
+        for suffix in (".json", ".status.json", ".kv.json")
+    )
     if not (result or status):
         return {}
 
@@ -238,18 +236,18 @@ def read(run_dir: Path) -> Result | None:
     root = run_dir / DIR
     if not root.exists():
         return None
-    cells: dict[str, dict[str, dict[int, Cell]]] = {}
-    states, bursts = {}, {}
-    for state in STATES:
-        where = root / state
-        cells[state] = {}
-        for name in PASSES:
-            got = single_requests.read(where / name)
-            cells[state][name] = {n: Cell(requests) for n, requests in got.items()}
-        if (where / STATE_FILE).exists():
-            states[state] = json.loads((where / STATE_FILE).read_text())
-        if burst := _burst(where):
-            bursts[state] = burst
+    cells = {
+        state: {
+            name: {n: Cell(got) for n, got in single_requests.read(where).items()}
+            for name in PASSES
+            for where in [root / state / name]
+        }
+        for state in STATES
+    }
+    states = {
+        s: d for s in STATES if (d := read_json(root / s / STATE_FILE)) is not None
+    }
+    bursts = {state: burst for state in STATES if (burst := _burst(root / state))}
     return Result(cells, states, bursts)
 
 
