@@ -19,7 +19,7 @@ them), and the engine is reported, not judged.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench import loopback
@@ -145,16 +145,14 @@ def measure(
                 result.error = f"{type(exc).__name__}: {exc}"
                 progress(f"  link {result.label} failed: {result.error}")
                 continue
-            by_method = {s.method: s for s in samples}
-            result.engine_bps = by_method["engine"].median_bps()
-            result.socket_bps = by_method["socket"].median_bps()
+            bps = {s.method: s.median_bps() for s in samples}
+            result.engine_bps, result.socket_bps = bps["engine"], bps["socket"]
             result.verified = all(s.verified for s in samples)
             result.samples = te.to_json(samples)
     return out
 
 
-def to_json(rates: Sequence[Rate]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in rates]
+to_json = te.to_json
 
 
 def from_json(data: Sequence[Mapping[str, Any]]) -> list[Rate]:

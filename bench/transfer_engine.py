@@ -64,30 +64,18 @@ class TransferBenchError(RuntimeError):
     pass
 
 
-def _recv_exact(conn: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("sender closed the socket mid-transfer")
-        got += n
-
-
 def _socket_server(listener: socket.socket, buffer: np.ndarray) -> None:
-    """Per transfer: 8-byte length, the bytes (into ``buffer``), a 1-byte ack."""
+    """Per transfer: 8-byte length, the bytes (into ``buffer``), a 1-byte ack;
+    a zero length or the sender's end closed stops it."""
     conn, _ = listener.accept()
     with conn:
-        header = bytearray(8)
-        view = memoryview(buffer)
-        while True:
-            try:
-                _recv_exact(conn, memoryview(header))
-            except ConnectionError:
-                return
+        header, view = bytearray(8), memoryview(buffer)
+        while conn.recv_into(header, 8, socket.MSG_WAITALL) == 8:
             (size,) = struct.unpack("<Q", header)
             if size == 0:
                 return
-            _recv_exact(conn, view[:size])
+            if conn.recv_into(view[:size], size, socket.MSG_WAITALL) != size:
+                raise ConnectionError("sender closed the socket mid-transfer")
             conn.sendall(b"\x01")
 
 
@@ -301,7 +289,8 @@ def compare(samples: Sequence[Sample]) -> list[Comparison]:
     ]
 
 
-def to_json(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+def to_json(samples: Sequence[Any]) -> list[dict[str, Any]]:
+    """Samples, or any dataclass records (bench.hosts_link's rates), as JSON."""
     return [asdict(s) for s in samples]
 
 
