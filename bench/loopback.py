@@ -3,14 +3,8 @@ own: the one two-process harness of the transfer benchmark
 (bench/transfer_engine.py, bench/hosts_link.py) and of the plugin's transfer
 tests (plugin/tests), so all start, wait and clean up the same way.
 
-``Peer(cls, *args)`` builds ``cls(*args)`` in a spawned process and runs its
-methods there (``peer.call("read")``), each answer within a deadline, a
-peer that died or raised reported as such; with ``netns=`` the process
-enters that network namespace first (a host of pdstack.netns). ``Endpoint``
-is an engine with one registered buffer, on loopback unless given the
-address of its host: the usual receiver, and the usual sender. An environment
-both processes need (Mooncake reads its ``MC_*`` settings when an engine is
-created) is set around the whole exchange, e.g. with
+An environment both processes need (Mooncake reads its ``MC_*`` settings when
+an engine is created) is set around the whole exchange, e.g. with
 ``unittest.mock.patch.dict(os.environ, ...)``: a spawned process inherits it.
 """
 
@@ -67,7 +61,7 @@ def enter_netns(name: str) -> None:
 
 class Endpoint:
     """An engine with ``nbytes`` of zeroed memory registered (``data``),
-    advertising ``host``."""
+    advertising ``host``: the usual receiver, and the usual sender."""
 
     def __init__(self, nbytes: int, host: str = HOST) -> None:
         self.host = host
@@ -119,7 +113,9 @@ def _serve(
 
 class Peer(contextlib.AbstractContextManager["Peer"]):
     """``cls(*args)`` in a spawned process (``cls`` importable by name), in
-    network namespace ``netns`` if given (by its name under /var/run/netns)."""
+    network namespace ``netns`` if given (by its name under /var/run/netns);
+    ``call("read")`` runs its method there, each answer within the deadline, a
+    peer that died or raised reported as such."""
 
     def __init__(
         self,
