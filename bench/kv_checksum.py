@@ -43,11 +43,8 @@ STATES = ("on", "off")
 DIR = "kv_checksum"
 DIGEST_FILE = "digest.json"
 STATE_FILE = "state.json"
-OUTPUT_LEN = single_requests.OUTPUT_LEN
 # Seeds of the checksum's requests: clear of the main sweep's (seed + level).
 SEED_OFFSET = 1000
-DIGEST_TOKENS = 4096
-DIGEST_ROUNDS = 7
 DIGEST_METHODS = ("digest", "gather", "read", "copy")
 
 
@@ -186,7 +183,7 @@ def markdown(result: Result) -> list[str]:
         out += [
             "The same prompts through the P/D stack with the checksum on, then "
             f"restarted with `{ENV}=0`; one request at a time (concurrency 1), "
-            f"{OUTPUT_LEN} output tokens; p50 over the requests.",
+            f"{single_requests.OUTPUT_LEN} output tokens; p50 over the requests.",
             "",
             *table(HEAD, map(cells, result.lengths())),
         ]
@@ -234,8 +231,8 @@ def digest_markdown(data: Mapping[str, Any]) -> list[str]:
 def digest_benchmark(
     layout: kv_layout.KVLayout,
     cache_bytes: int,
-    tokens: int = DIGEST_TOKENS,
-    rounds: int = DIGEST_ROUNDS,
+    tokens: int = 4096,
+    rounds: int = 7,
 ) -> dict[str, Any]:
     """GB/s of the plugin's digest over one request's blocks in real tensors
     of ``layout``'s regions, against a read, a copy and a gather of them."""
@@ -298,29 +295,23 @@ def digest_seconds(result: Result | None, threads: int = 1) -> float | None:
     return None
 
 
-def layout_for(path: Path | None, profile: str) -> kv_layout.KVLayout | None:
-    """A run's served layout (kv_layout.json), else the twin's from its models."""
+def digest_command(profile: str, layout_file: Path | None, out: Path | None) -> int:
+    """``python -m bench checksum --digest-only``: print the table, keep the JSON;
+    the layout a run's served one (kv_layout.json), else the twin's from its
+    models; the cache as large as prefill's."""
     from bench import kv_transfer
     from pdstack import config, tiny_model
 
-    if path is not None and path.exists():
-        return kv_transfer.layout_from_json(read_json(path))
-    if config.profile(profile).get("generate") != "tiny":
-        return None
-    models = tiny_model.ensure_models(progress=lambda _: None)
-    target = kv_layout.read_config(models.target)
-    dtype = str(target.get("torch_dtype") or target.get("dtype") or "float32")
-    block = int(config.vllm_flags("prefill", profile, "cpu")["block-size"])
-    draft = kv_layout.read_config(models.draft)
-    return kv_layout.layout(target, draft, dtype, block)
-
-
-def digest_command(profile: str, layout_file: Path | None, out: Path | None) -> int:
-    """``python -m bench checksum --digest-only``: print the table, keep the JSON;
-    the cache as large as prefill's."""
-    from pdstack import config
-
-    layout = layout_for(layout_file, profile)
+    layout = None
+    if layout_file is not None and layout_file.exists():
+        layout = kv_transfer.layout_from_json(read_json(layout_file))
+    elif config.profile(profile).get("generate") == "tiny":
+        models = tiny_model.ensure_models(progress=lambda _: None)
+        target = kv_layout.read_config(models.target)
+        dtype = str(target.get("torch_dtype") or target.get("dtype") or "float32")
+        block = int(config.vllm_flags("prefill", profile, "cpu")["block-size"])
+        draft = kv_layout.read_config(models.draft)
+        layout = kv_layout.layout(target, draft, dtype, block)
     if layout is None:
         print(f"bench: no KV layout for profile {profile!r}: give --layout FILE")
         return 2

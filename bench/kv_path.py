@@ -15,21 +15,18 @@ Per state, "staged" (the environment untouched) and "direct" (restarted with
 
 1. fresh: one warm-up request, then ``BENCH_KV_PATH_REQUESTS`` single
    requests (bench.single_requests) per prompt length;
-2. the fragmentation warm-up (Burst): 16 requests, 8 at a time, prompt and
-   output lengths drawn from [1 - r, 1 + r] times their means (the random
-   dataset's range ratio), so that they end in another order than they
-   started and both servers' free lists are shuffled; bounded by its count
-   and its own deadline, progress on the screen;
+2. the fragmentation warm-up (Burst: mixed lengths, several at a time), so
+   that requests end in another order than they started and both servers'
+   free lists are shuffled; bounded by its count and its own deadline;
 3. fragmented: as 1 with new seeds, without the warm-up.
 
 Per request the prefill's descriptors, bytes and transfer seconds (counter
 deltas, bench.kv_transfer), the staged send's phases (prefill's gather and
 write, decode's scatter: bench.kv_phases) and TTFT; the report gives p50s per
 state x pass x prompt length, the effective rate against the transfer
-engine's bulk rate (one descriptor of the nearest size, bench.transfer_engine)
-where the run has it, and beside it against the engine sending 1 MiB
-descriptors through stall_guard (``engine_chunked``: the staged path's way);
-bench.targets judges them.
+engine's (bench.transfer_engine, the nearest size) where the run has it: one
+descriptor, and 1 MiB descriptors through stall_guard (``engine_chunked``: the
+staged path's way); bench.targets judges them.
 """
 
 from __future__ import annotations
@@ -374,12 +371,11 @@ def markdown(
     for state in STATES:
         data = result.states.get(state, {})
         setting = (data.get("env") or {}).get(ENV)
-        burst = result.bursts.get(state)
         line = f"- {state}: " + (f"`{ENV}` unset" if setting is None
                                  else f"`{ENV}={setting}`")  # fmt: skip
         if data.get("restart_s") is not None:
             line += f", stack (re)started in {data['restart_s']:.0f} s"
-        if burst:
+        if burst := result.bursts.get(state):
             line += (
                 f"; fragmentation warm-up {burst['completed']} of "
                 f"{burst['completed'] + burst['failed']} requests, prompts "
