@@ -23,7 +23,6 @@ from bench import kv_phases
 from pdstack import config, kv_layout, tiny_model
 from pdstack import metrics as m
 
-PROMPT_TOKENS = "vllm:prompt_tokens_total"
 COUNTERS = {
     "transfers": m.TRANSFERS,
     "bytes": m.BYTES,
@@ -33,7 +32,7 @@ COUNTERS = {
     "retried_transfers": m.RETRIED_TRANSFERS,
     "failed_recvs": m.FAILED_RECVS,
     "expired": m.EXPIRED,
-    "prompt_tokens": PROMPT_TOKENS,
+    "prompt_tokens": "vllm:prompt_tokens_total",
 }
 
 

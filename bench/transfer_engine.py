@@ -64,21 +64,6 @@ class TransferBenchError(RuntimeError):
     pass
 
 
-def _socket_server(listener: socket.socket, buffer: np.ndarray) -> None:
-    """Per transfer: 8-byte length, the bytes (into ``buffer``), a 1-byte ack;
-    a zero length or the sender's end closed stops it."""
-    conn, _ = listener.accept()
-    with conn:
-        header, view = bytearray(8), memoryview(buffer)
-        while conn.recv_into(header, 8, socket.MSG_WAITALL) == 8:
-            (size,) = struct.unpack("<Q", header)
-            if size == 0:
-                return
-            if conn.recv_into(view[:size], size, socket.MSG_WAITALL) != size:
-                raise ConnectionError("sender closed the socket mid-transfer")
-            conn.sendall(b"\x01")
-
-
 class Receiver(loopback.Endpoint):
     """The receiving process: a registered buffer that a socket server (on
     ``host`` too) also writes into."""
@@ -86,12 +71,24 @@ class Receiver(loopback.Endpoint):
     def __init__(self, capacity: int, host: str = HOST) -> None:
         super().__init__(capacity, host)
         self.listener = socket.create_server((host, 0))
-        threading.Thread(
-            target=_socket_server, args=(self.listener, self.data), daemon=True
-        ).start()
+        threading.Thread(target=self._serve_socket, daemon=True).start()
 
     def socket_port(self) -> int:
         return self.listener.getsockname()[1]
+
+    def _serve_socket(self) -> None:
+        """Per transfer: 8-byte length, the bytes (into ``data``), a 1-byte ack;
+        a zero length or the sender's end closed stops it."""
+        conn, _ = self.listener.accept()
+        with conn:
+            header, view = bytearray(8), memoryview(self.data)
+            while conn.recv_into(header, 8, socket.MSG_WAITALL) == 8:
+                (size,) = struct.unpack("<Q", header)
+                if size == 0:
+                    return
+                if conn.recv_into(view[:size], size, socket.MSG_WAITALL) != size:
+                    raise ConnectionError("sender closed the socket mid-transfer")
+                conn.sendall(b"\x01")
 
 
 @dataclass
