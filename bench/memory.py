@@ -59,14 +59,12 @@ class PeakMemory:
     def sample(self, with_pss: bool) -> None:
         rss = _sum(self.groups, lambda p: p.memory_info().rss)
         self.peak.samples += 1
-        if sum(rss.values()) > self.peak.rss_total:
-            self.peak.rss_total = sum(rss.values())
-            self.peak.rss_by_group = rss
+        if (total := sum(rss.values())) > self.peak.rss_total:
+            self.peak.rss_total, self.peak.rss_by_group = total, rss
         if with_pss:
             pss = _sum(self.groups, lambda p: p.memory_full_info().pss)
-            if sum(pss.values()) > self.peak.pss_total:
-                self.peak.pss_total = sum(pss.values())
-                self.peak.pss_by_group = pss
+            if (total := sum(pss.values())) > self.peak.pss_total:
+                self.peak.pss_total, self.peak.pss_by_group = total, pss
 
     def _run(self) -> None:
         last_pss = 0.0
