@@ -127,11 +127,9 @@ def check_layout(
             f"{measured} bytes moved, layout predicts {expected} "
             f"({(measured - expected) / per_block:+.2f} blocks of {per_block} B)"
         )
-    if counters.get("failed_transfers", 0) or counters.get("failed_recvs", 0):
-        problems.append(
-            f"{counters.get('failed_transfers', 0):.0f} failed transfers, "
-            f"{counters.get('failed_recvs', 0):.0f} failed receives"
-        )
+    failed, recvs = (counters.get(k, 0) for k in ("failed_transfers", "failed_recvs"))
+    if failed or recvs:
+        problems.append(f"{failed:.0f} failed transfers, {recvs:.0f} failed receives")
     detail = "; ".join(problems) or (
         f"{len(input_lens)} requests in {transfers} transfers, {measured} bytes "
         f"= whole {layout.block_size}-token blocks x {per_block} B"
