@@ -26,7 +26,6 @@ from unittest import mock
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from pdstack import tiny_model as tm
 from pdstack.tiny_model.target import TargetTrace
@@ -59,44 +58,6 @@ class Group:
     trace: TargetTrace
     start: int
     vllm: Outputs
-
-
-@pytest.fixture(scope="module")
-def models() -> tm.TinyModels:
-    return tm.ensure_models(progress=lambda line: print(line, flush=True))
-
-
-@pytest.fixture(scope="module")
-def weights(models: tm.TinyModels) -> dict[str, torch.Tensor]:
-    return load_file(models.draft / "model.safetensors")
-
-
-@pytest.fixture(scope="module")
-def target(models: tm.TinyModels) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(models.target).eval()
-
-
-@pytest.fixture(scope="module")
-def embed(target: torch.nn.Module) -> torch.Tensor:
-    """The target's: vLLM shares it with a draft checkpoint that has none."""
-    return target.get_input_embeddings().weight.detach()
-
-
-@pytest.fixture(scope="module")
-def traces(
-    models: tm.TinyModels, target: torch.nn.Module
-) -> dict[int, tuple[TargetTrace, int]]:
-    """What the fit saw: the target's greedy trace of each compared group."""
-    probes = tm.load_probes(models)
-    out = {}
-    for length in GROUP_LENGTHS:
-        prompts = torch.tensor([p.prompt for p in probes if len(p.prompt) == length])
-        with tm.cache.deterministic_torch(), torch.no_grad():
-            trace = tm.target.greedy_trace(target, prompts, tm.params.PROBE_MAX_TOKENS)
-        out[length] = (trace, length - 1)
-    return out
 
 
 class VllmDraft:
@@ -190,22 +151,16 @@ def vllm_outputs(
     # The second step at j is a decode at position j + 1, which writes its KV
     # over the first pass's at j + 1. Walking j downwards, each step overwrites
     # only a slot that no later (smaller) j reads.
-    second = {}
+    steps = {}
     for j in range(seq_len - 2, start - 1, -1):
         tokens = trace.greedy[:, j + 1 : j + 2]
-        second[j], _ = draft.forward(
+        steps[j], _ = draft.forward(
             embed[tokens],
             prenorm[:, j - start : j - start + 1],
             torch.full((batch, 1), j + 1),
         )
-    second_normed = torch.cat([second[j] for j in range(start, seq_len - 1)], dim=1)
-    return Outputs(
-        normed,
-        prenorm,
-        second_normed,
-        draft.logits(normed),
-        draft.logits(second_normed),
-    )
+    second = torch.cat([steps[j] for j in range(start, seq_len - 1)], dim=1)
+    return Outputs(normed, prenorm, second, draft.logits(normed), draft.logits(second))
 
 
 @contextlib.contextmanager
@@ -257,42 +212,43 @@ def vllm_draft_model(models: tm.TinyModels) -> Iterator[tuple[Any, Any]]:
 
 @pytest.fixture(scope="module")
 def groups(
-    models: tm.TinyModels,
-    embed: torch.Tensor,
-    traces: dict[int, tuple[TargetTrace, int]],
+    models: tm.TinyModels, target: torch.nn.Module, embed: torch.Tensor
 ) -> dict[int, Group]:
+    """What the fit saw, the target's greedy trace of each compared group, and
+    vLLM's draft passes over it."""
+    probes = tm.load_probes(models)
+    traces = {}
+    for length in GROUP_LENGTHS:
+        prompts = torch.tensor([p.prompt for p in probes if len(p.prompt) == length])
+        with tm.cache.deterministic_torch(), torch.no_grad():
+            trace = tm.target.greedy_trace(target, prompts, tm.params.PROBE_MAX_TOKENS)
+        traces[length] = trace
     out = {}
     with vllm_draft_model(models) as (config, model), torch.no_grad():
-        for length, (trace, start) in traces.items():
+        for length, trace in traces.items():
             draft = VllmDraft(config, model, *trace.tokens.shape)
+            start = length - 1
             out[length] = Group(trace, start, vllm_outputs(draft, embed, trace, start))
     return out
 
 
-def copy_outputs(
-    weights: dict[str, torch.Tensor],
-    embed: torch.Tensor,
-    trace: TargetTrace,
-    start: int,
-) -> Outputs:
+def against_the_copy(
+    group: Group, weights: dict[str, torch.Tensor], embed: torch.Tensor
+) -> tuple[Outputs, dict[str, float]]:
+    """The copy's passes over the group, and max |vLLM - copy| / max |copy|
+    per field."""
     with torch.no_grad():
-        first = tm.eagle3.draft_first_pass(weights, embed, trace, start)
-        second = tm.eagle3.draft_second_step(weights, embed, trace, first)
+        first = tm.eagle3.draft_first_pass(weights, embed, group.trace, group.start)
+        second = tm.eagle3.draft_second_step(weights, embed, group.trace, first)
     head = weights["lm_head.weight"]
-    return Outputs(
+    copy = Outputs(
         first.normed, first.prenorm, second, first.normed @ head.T, second @ head.T
     )
-
-
-def relative_errors(got: Outputs, want: Outputs) -> dict[str, float]:
-    """max |got - want| / max |want| per field."""
-    return {
-        field.name: (
-            (getattr(got, field.name) - getattr(want, field.name)).abs().max()
-            / getattr(want, field.name).abs().max()
-        ).item()
-        for field in dataclasses.fields(Outputs)
-    }
+    errors = {}
+    for field in dataclasses.fields(Outputs):
+        got, want = getattr(group.vllm, field.name), getattr(copy, field.name)
+        errors[field.name] = ((got - want).abs().max() / want.abs().max()).item()
+    return copy, errors
 
 
 @pytest.mark.parametrize("length", GROUP_LENGTHS)
@@ -303,8 +259,7 @@ def test_vllm_draft_matches_the_copy_on_the_probes(
     length: int,
 ) -> None:
     group = groups[length]
-    copy = copy_outputs(weights, embed, group.trace, group.start)
-    errors = relative_errors(group.vllm, copy)
+    copy, errors = against_the_copy(group, weights, embed)
     assert max(errors.values()) <= REL_TOL, errors
     # The proposals themselves, greedy drafts of both positions. Measured: the
     # copy's smallest top-2 logit margin here is 0.055, differences <= 4.5e-3.
@@ -351,8 +306,6 @@ def test_the_pin_detects_a_drift(
 ) -> None:
     """Negative control: the copy, changed as a drift from vLLM would change
     it, no longer matches."""
-    group = groups[GROUP_LENGTHS[1]]
     DRIFTS[drift](monkeypatch)
-    copy = copy_outputs(weights, embed, group.trace, group.start)
-    errors = relative_errors(group.vllm, copy)
+    _, errors = against_the_copy(groups[GROUP_LENGTHS[1]], weights, embed)
     assert max(errors.values()) > DRIFT_MIN_REL, errors
