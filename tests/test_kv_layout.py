@@ -24,12 +24,8 @@ def test_the_twin_measured_values() -> None:
 
 def test_the_generated_tiny_pair_has_those_shapes() -> None:
     models = tiny_model.ensure_models(progress=lambda _: None)
-    layout = kv_layout.layout(
-        kv_layout.read_config(models.target),
-        kv_layout.read_config(models.draft),
-        tiny_model.DTYPE,
-        16,
-    )
+    target, draft = map(kv_layout.read_config, (models.target, models.draft))
+    layout = kv_layout.layout(target, draft, tiny_model.DTYPE, 16)
     assert layout == kv_layout.layout(MLA_TARGET, GQA_DRAFT, "float32", 16)
 
 

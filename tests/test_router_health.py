@@ -52,16 +52,10 @@ class Stubs:
     def app(self, role: str) -> web.Application:
         async def completions(request: web.Request) -> web.Response:
             await request.read()
+            answer = {"id": "stub", "object": "text_completion", "model": MODEL}
             choice = {"index": 0, "text": "x", "finish_reason": "length"}
-            return web.json_response(
-                {
-                    "id": "stub",
-                    "object": "text_completion",
-                    "model": MODEL,
-                    "choices": [choice],
-                    "kv_transfer_params": None,
-                }
-            )
+            answer.update(choices=[choice], kv_transfer_params=None)
+            return web.json_response(answer)
 
         async def health(request: web.Request) -> web.Response:
             if role == "decode":

@@ -25,7 +25,7 @@ from pdstack import tiny_model as tm
 SPECIALS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
 
 
-def _small_draft(path: Path, drop: str | None = None, extra: str | None = None) -> dict:
+def _small_draft(path: Path, drop: str | None = None, extra: str | None = None) -> None:
     """A draft checkpoint with a 16-token vocab, optionally damaged."""
     config = tm.draft.draft_config(16, SPECIALS)
     weights = tm.draft.init_draft_weights(config)
@@ -36,7 +36,6 @@ def _small_draft(path: Path, drop: str | None = None, extra: str | None = None) 
     path.mkdir(parents=True)
     save_file(weights, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
-    return config
 
 
 # --- no generation needed ---------------------------------------------------------
