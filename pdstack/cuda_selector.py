@@ -181,13 +181,11 @@ def accepted_values(
     """(value, backend vLLM would pick) for each value of one selector field
     that makes the layer accepted (dtype values by name)."""
     v = vllm()
-    found = []
-    for value in values:
-        typed = v.torch_dtype(value) if field == "dtype" else value
-        chosen = pick(capability, selector._replace(**{field: typed}), num_heads)
-        if chosen:
-            found.append((value, chosen))
-    return found
+    typed = [v.torch_dtype(x) if field == "dtype" else x for x in values]
+    picks = [
+        pick(capability, selector._replace(**{field: t}), num_heads) for t in typed
+    ]
+    return [(x, p) for x, p in zip(values, picks, strict=True) if p]
 
 
 def original_class(v: types.SimpleNamespace, name: str) -> Any:

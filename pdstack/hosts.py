@@ -58,7 +58,7 @@ class HostsTwin:
             *(f"decode-{i}" for i in range(self.decodes)),
         ]
         self.net = netns.Network(TAG, self.names)
-        self.procs = supervisor.Processes(self.run_dir, "processes.json", self.progress)
+        self.procs = supervisor.Processes(self.run_dir, progress=self.progress)
         self.ports = config.ports()
 
     # --- where things answer ----------------------------------------------

@@ -166,17 +166,13 @@ class Network:
             "peer", "name", "client", "netns", br,
         )  # fmt: skip
         self._in(br, "ip", "link", "set", "client", "master", "br0", "up")
-        _run("ip", "addr", "add", f"{self.client_address}/24",
-             "dev", self.client_link)  # fmt: skip
+        _run("ip", "addr", "add", f"{self.client_address}/24", "dev", self.client_link)
         _run("ip", "link", "set", self.client_link, "up")
         self.write_hosts()
 
     def _address(self, host: Host, address: str) -> None:
         self._in(host.netns, "ip", "addr", "flush", "dev", "eth0")
-        self._in(
-            host.netns, "ip", "addr", "add", f"{address}/24",
-            "dev", "eth0",
-        )  # fmt: skip
+        self._in(host.netns, "ip", "addr", "add", f"{address}/24", "dev", "eth0")
         self._in(host.netns, "ip", "link", "set", "eth0", "up")
         host.address = address
 

@@ -22,14 +22,13 @@ from pdstack.supervisor import HOST, ROUTER_DEADLINE_S, SERVER_DEADLINE_S, Urls,
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_DIR = Path(os.environ.get("PD_RUN_DIR", ROOT / "run" / "twin"))
-STATE_FILE = "processes.json"
 ROLE_NAMES = (*config.ROLES, "router")
 
 
 def processes(
     run_dir: Path = RUN_DIR, progress: supervisor.Progress = print
 ) -> supervisor.Processes:
-    return supervisor.Processes(run_dir, STATE_FILE, progress)
+    return supervisor.Processes(run_dir, progress=progress)
 
 
 def _launch(
@@ -141,12 +140,9 @@ def start_role(
     env: dict[str, str] | None = None,
     progress=print,
 ) -> float:
-    """Start one role of a recorded twin again (same ports, same flags) and
-    wait until it answers /health; returns the seconds that took.
-
-    ``env`` adds environment (e.g. the role's ``role_env`` given to ``up``).
-    The log is appended to.
-    """
+    """Start one role of a recorded twin again (same ports, same flags, its log
+    appended to; ``env`` added, e.g. its ``role_env`` given to ``up``); returns
+    the seconds until it answered /health."""
     _known(role)
     procs = processes(run_dir, progress)
     if role in procs.running():

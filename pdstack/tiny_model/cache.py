@@ -50,7 +50,6 @@ def load_probes(models: TinyModels) -> list[Probe]:
     return [Probe(p["prompt"], p["greedy"]) for p in data["probes"]]
 
 
-# --- determinism --------------------------------------------------------------
 @contextlib.contextmanager
 def deterministic_torch() -> Iterator[None]:
     """Single-threaded deterministic kernels: float reductions then do not

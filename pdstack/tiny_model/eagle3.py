@@ -22,9 +22,8 @@ if TYPE_CHECKING:
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     import torch
 
-    return (
-        x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + params.RMS_NORM_EPS) * weight
-    )
+    scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + params.RMS_NORM_EPS)
+    return x * scale * weight
 
 
 def _rope_neox(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -109,10 +108,8 @@ def _draft_tail(
     residual = attn @ w["midlayer.self_attn.o_proj.weight"].T + residual
     h = _rms_norm(residual, w["midlayer.post_attention_layernorm.weight"])
     gate = torch.nn.functional.silu(h @ w["midlayer.mlp.gate_proj.weight"].T)
-    mlp = (gate * (h @ w["midlayer.mlp.up_proj.weight"].T)) @ w[
-        "midlayer.mlp.down_proj.weight"
-    ].T
-    prenorm = mlp + residual
+    up = h @ w["midlayer.mlp.up_proj.weight"].T
+    prenorm = (gate * up) @ w["midlayer.mlp.down_proj.weight"].T + residual
     return _rms_norm(prenorm, w["norm.weight"]), prenorm
 
 

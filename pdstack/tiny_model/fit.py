@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 
-# --- probes -------------------------------------------------------------------
 def _probe_group(
     tokenizer: PreTrainedTokenizerFast, length: int, count: int, gen: torch.Generator
 ) -> torch.Tensor:
@@ -41,7 +40,6 @@ def _probe_group(
     return torch.stack(rows)
 
 
-# --- fit ----------------------------------------------------------------------
 def draft_training_set(
     w: dict[str, torch.Tensor], embed: torch.Tensor, trace: TargetTrace, start: int
 ) -> tuple[torch.Tensor, ...]:

@@ -68,7 +68,6 @@ def save_target(model: Any, out_dir: Path) -> None:
     GenerationConfig(**ids).save_pretrained(out_dir)
 
 
-# --- capture target hidden states ---------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class TargetTrace:
     """Target activations over a batch of equal-length sequences."""
