@@ -9,12 +9,11 @@ from pathlib import Path
 
 from pdstack import prometheus
 
-RULES = prometheus.ALERTS
-RULE_TESTS = RULES.parent / "alerts_test.yml"
+RULE_TESTS = prometheus.ALERTS.parent / "alerts_test.yml"
 
 
 def test_alert_rules_are_valid_and_their_unit_tests_pass() -> None:
-    checked = prometheus.promtool("check", "rules", str(RULES))
+    checked = prometheus.promtool("check", "rules", str(prometheus.ALERTS))
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "SUCCESS: 6 rules found" in checked.stdout
     tested = prometheus.promtool("test", "rules", str(RULE_TESTS))
@@ -24,10 +23,10 @@ def test_alert_rules_are_valid_and_their_unit_tests_pass() -> None:
 def test_rule_tests_fail_when_a_rule_watches_a_misspelt_metric(tmp_path: Path) -> None:
     """Negative control: the unit tests see what a rule really evaluates."""
     shutil.copy(RULE_TESTS, tmp_path / RULE_TESTS.name)
-    broken = RULES.read_text().replace(
+    broken = prometheus.ALERTS.read_text().replace(
         "vllm:mooncake_kv_checksum_mismatch_total", "vllm:mooncake_kv_checksum_mismatch"
     )
-    (tmp_path / RULES.name).write_text(broken)
+    (tmp_path / prometheus.ALERTS.name).write_text(broken)
     tested = prometheus.promtool("test", "rules", str(tmp_path / RULE_TESTS.name))
     assert tested.returncode != 0
     assert "PDMooncakeKVChecksumMismatch" in tested.stdout + tested.stderr
@@ -41,7 +40,7 @@ def test_scrape_config_points_each_job_at_the_given_stack() -> None:
     assert jobs == {
         job: [{"targets": [at], "labels": tcp}] for job, at in stack.items()
     }
-    assert config["rule_files"] == [str(RULES)]
+    assert config["rule_files"] == [str(prometheus.ALERTS)]
     assert config["global"]["scrape_interval"] == "1s"
 
 

@@ -13,6 +13,7 @@ from pd_mooncake import staging
 from pdstack import config, cuda_selector, kv_layout, preflight, serve
 
 GPUS = {gpu: cap for gpu, (cap, _) in preflight.GPUS.items()}
+SM90 = {"sm90": (9, 0)}
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_a_block_size_no_kernel_takes_is_rejected_naming_block_size(
     configs: Path,
 ) -> None:
     set_gpu_flag(configs, "tiny", "block-size", 8)
-    checks = preflight.run(["tiny"], {"sm90": (9, 0)}, roles=["decode"])
+    checks = preflight.run(["tiny"], SM90, roles=["decode"])
     (c,) = checks
     assert c.status == "rejected"
     for p in c.problems:
@@ -135,9 +136,9 @@ def test_a_block_size_no_kernel_takes_is_rejected_naming_block_size(
 
 def test_a_block_size_can_change_the_pick() -> None:
     """32 is no multiple of FlashMLA's kernel block: vLLM falls back."""
-    (default,) = preflight.run(["tiny"], {"sm90": (9, 0)}, roles=["prefill"])
+    (default,) = preflight.run(["tiny"], SM90, roles=["prefill"])
     (c,) = preflight.run(
-        ["tiny"], {"sm90": (9, 0)}, roles=["prefill"], overrides={"block-size": 32}
+        ["tiny"], SM90, roles=["prefill"], overrides={"block-size": 32}
     )
     assert c.status == "accepted"
     assert (c.block_size, c.kernel_block_size) == (32, 32)
@@ -158,11 +159,13 @@ def test_hub_profile_without_a_config_is_unknown_and_downloads_nothing(
 # Kimi-K2.5's shapes (a text_config nested in a multimodal wrapper) and its
 # Eagle draft's.
 KIMI_LIKE = Path(__file__).parent / "data" / "kimi-k2.5"
+KIMI = dict(
+    model_config=KIMI_LIKE / "config.json", draft_config=KIMI_LIKE / "draft_config.json"
+)
 
 
 def test_hub_profile_with_given_configs_is_checked() -> None:
-    model, draft = KIMI_LIKE / "config.json", KIMI_LIKE / "draft_config.json"
-    checks = preflight.run(["kimi-k2.5"], GPUS, model_config=model, draft_config=draft)
+    checks = preflight.run(["kimi-k2.5"], GPUS, **KIMI)
     for c in checks:
         assert c.status == "accepted", c.problems
         assert c.dtype == "bfloat16"  # the checkpoint's: no dtype flag
@@ -172,14 +175,12 @@ def test_hub_profile_with_given_configs_is_checked() -> None:
 
 
 def _kimi(staging_mib: int | None = None) -> list[preflight.Check]:
-    model, draft = KIMI_LIKE / "config.json", KIMI_LIKE / "draft_config.json"
     overrides = {}
     if staging_mib is not None:
         kv = config.vllm_flags("decode", "kimi-k2.5", "gpu")["kv-transfer-config"]
         extra = {**kv["kv_connector_extra_config"], staging.KEY: staging_mib}
         overrides["kv-transfer-config"] = {**kv, "kv_connector_extra_config": extra}
-    return preflight.run(["kimi-k2.5"], {"sm90": (9, 0)}, ("decode",), overrides,
-                         model, draft)  # fmt: skip
+    return preflight.run(["kimi-k2.5"], SM90, ("decode",), overrides, **KIMI)
 
 
 def test_a_staging_buffer_shorter_than_max_model_len_is_named() -> None:
@@ -237,7 +238,7 @@ def test_serve_runs_the_preflight_before_exec_on_gpu(
 ) -> None:
     execs: list[list[str]] = []
     monkeypatch.setattr(serve.os, "execvpe", lambda _f, argv, _e: execs.append(argv))
-    monkeypatch.setattr(preflight, "device_gpus", lambda: {"sm90": (9, 0)})
+    monkeypatch.setattr(preflight, "device_gpus", lambda: SM90)
     serve.main(["--role", "prefill", "--target", "gpu", "--profile", "tiny"])
     assert len(execs) == 1
     set_gpu_flag(configs, "tiny", "dtype", "float32")
