@@ -4,11 +4,9 @@ over the same link, unshaped and shaped (``python -m bench hosts-link``).
 The hosts are pdstack.netns's: host ``recv`` is a network namespace on a
 private bridge (tag ``bl``, a /24 of its own), this process the other end,
 over the client link (root namespace -> bridge -> recv's veth). The
-measurement is bench.transfer_engine's, unchanged: the receiver (engine and
-socket server) in recv's namespace, the sender here; ``engine`` is one
-``batch_transfer_sync_write`` descriptor, ``socket`` one stream with a 1-byte
-acknowledgement per transfer, and every copy's arrival is checked by digest.
-For each rate, ``tc tbf`` on both ends of recv's link (``Network.shape``).
+measurement is bench.transfer_engine's ``engine`` and ``socket``, unchanged:
+the receiver in recv's namespace, the sender here. For each rate, ``tc tbf``
+on both ends of recv's link (``Network.shape``).
 
 Where the socket reaches ``LINK_LIMITED`` of the shaped rate, the link is the
 limit and the engine is judged against it; where the socket does not, the

@@ -1,23 +1,17 @@
-"""What the plugin's KV checksum (pd_mooncake.checksum) costs.
+"""What the plugin's KV checksum (pd_mooncake.checksum) costs, two measurements
+for the report's "KV checksum" section; docs/bench.md ("The KV checksum's
+cost") says how and why:
 
-Two measurements, both in the report's "KV checksum" section:
-
-- on the stack: the same requests through a P/D stack with the checksum on
-  (as configs/vllm has it) and again after a restart with
-  ``PD_MOONCAKE_KV_CHECKSUM=0``: TTFT and the transfer time per request, at
-  each prompt length, p50 over ``BENCH_CHECKSUM_REQUESTS`` requests, each a
-  level of its own (bench.single_requests), so prefill and decode each digest
-  one request at a time, as on a quiet server. Both passes send the same
-  prompts (seeds clear of the main sweep's) after one warm-up request that is
-  not counted (the off stack is new: its first transfer also connects
-  Mooncake's peers). Decode's checksum series say whether each pass really
-  had it on or off.
+- on the stack: the same single requests (bench.single_requests: prefill and
+  decode each digest one request at a time, as on a quiet server) through a
+  P/D stack with the checksum on and again after a restart with
+  ``PD_MOONCAKE_KV_CHECKSUM=0``; TTFT and transfer time p50s per prompt
+  length; decode's checksum series say whether each pass really had it on or
+  off;
 - the digest alone, in-process (``python -m bench checksum --digest-only``):
-  real tensors shaped as the stack's KV regions (one per registered layer;
-  the cache as large as a server's), a 4096-token request's blocks scattered
-  in them; GB/s of the plugin's ``digest`` over them against a plain read
-  (an int64 sum) and a copy of the same bytes, and the gather alone, on one
-  thread (what a 1-thread server has) and on torch's default threads.
+  GB/s of the plugin's ``digest`` over a request's blocks scattered in real
+  tensors shaped as the stack's KV regions, against a plain read, a copy and
+  the gather alone, on one thread and on torch's default threads.
 """
 
 from __future__ import annotations

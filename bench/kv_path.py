@@ -1,32 +1,18 @@
-"""Staged against direct KV sends, on fresh and on fragmented block lists.
+"""Staged against direct KV sends, on fresh and on fragmented block lists;
+docs/bench.md ("The KV path") says what is measured, why, and how to read it.
 
-The plugin's KV staging (``PD_MOONCAKE_KV_STAGING_MIB``: MiB of registered
-staging buffer; ``0`` turns it off; unset, what configs/vllm says) has prefill
-gather a request's KV blocks into one registered buffer and send a few large
-descriptors, which decode scatters. Without it prefill sends one descriptor
-per run of contiguous blocks and KV region: fresh servers hand out contiguous
-blocks, but once requests have ended in another order than they started the
-free block lists are shuffled, a run is a block, and every block costs
-Mooncake a descriptor (a TCP write the receiver acknowledges).
-
-Per state, "staged" (the environment untouched) and "direct" (restarted with
-``PD_MOONCAKE_KV_STAGING_MIB=0``), on a stack just (re)started
-(bench.stack.restart_pd), one ``vllm bench serve`` sweep:
-
-1. fresh: one warm-up request, then ``BENCH_KV_PATH_REQUESTS`` single
-   requests (bench.single_requests) per prompt length;
-2. the fragmentation warm-up (Burst: mixed lengths, several at a time), so
-   that requests end in another order than they started and both servers'
-   free lists are shuffled; bounded by its count and its own deadline;
-3. fragmented: as 1 with new seeds, without the warm-up.
-
-Per request the prefill's descriptors, bytes and transfer seconds (counter
-deltas, bench.kv_transfer), the staged send's phases (prefill's gather and
-write, decode's scatter: bench.kv_phases) and TTFT; the report gives p50s per
-state x pass x prompt length, the effective rate against the transfer
-engine's (bench.transfer_engine, the nearest size) where the run has it: one
-descriptor, and 1 MiB descriptors through stall_guard (``engine_chunked``: the
-staged path's way); bench.targets judges them.
+Without staging prefill sends one descriptor per run of contiguous blocks and
+KV region, and once requests have ended in another order than they started
+the free block lists are shuffled: a run is a block, every block a Mooncake
+descriptor (a TCP write the receiver acknowledges). Per state, "staged" (the
+environment untouched) and "direct" (``PD_MOONCAKE_KV_STAGING_MIB=0``), on a
+stack just (re)started (bench.stack.restart_pd), one ``vllm bench serve``
+sweep: the fresh pass (a warm-up, then bench.single_requests), the
+fragmentation warm-up (Burst), the fragmented pass (new seeds, no warm-up).
+Per request: prefill's counter deltas (bench.kv_transfer), the staged send's
+phases (bench.kv_phases) and TTFT; p50s per state x pass x prompt length,
+against the transfer engine's rates (bench.transfer_engine) where the run has
+them; bench.targets judges them.
 """
 
 from __future__ import annotations

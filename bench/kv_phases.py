@@ -1,20 +1,13 @@
-"""The phases of a staged KV send, per request, from both servers' counters.
-
-A staged send (pd_mooncake.staging) has three phases, each summed into
-``pdstack.metrics.STAGING_SECONDS`` (label ``phase``) where it runs:
-
-- ``gather`` (prefill): the request's blocks copied into prefill's registered
-  staging buffer, as one record;
-- ``write`` (prefill): the record written to decode's staging buffer in 1 MiB
-  descriptors, each submitted and polled through pd_mooncake.stall_guard;
-- ``scatter`` (decode): the record checked and copied into decode's blocks.
+"""The phases of a staged KV send (pd_mooncake.staging), per request, from
+both servers' ``pdstack.metrics.STAGING_SECONDS`` (label ``phase``): gather
+and write on prefill, scatter on decode; docs/bench.md ("The KV path") says
+what each is and how the report shows them.
 
 Prefill's transfer seconds (bench.kv_transfer) span gather and write; the
 scatter follows on decode, inside TTFT but outside the transfer. A request
 sent directly has none of them. Per request the bench keeps each phase's
-delta in its ``.kv.json`` under ``<phase>_seconds``: prefill's with its
-transfer counters (kv_transfer.delta_json), decode's settled the way those
-are (settle_decode), decode being scraped around each request too.
+delta in its ``.kv.json`` (key()): prefill's with its transfer counters
+(kv_transfer.delta_json), decode's settled the way those are (settle_decode).
 """
 
 from __future__ import annotations

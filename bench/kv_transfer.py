@@ -1,16 +1,12 @@
-"""The KV transfer cost of a P/D level, from the plugin's metrics on prefill.
+"""The KV transfer cost of a P/D level, from the plugin's metrics on prefill;
+docs/bench.md ("KV transfer per request") says what is reported.
 
-Mooncake is prefill-push: prefill counts each successful transfer, its bytes and
-its duration (``batch_transfer_sync_write``). One transfer may carry several
-requests' KV (prefill batches the requests bound for one decode in a step), so
-a request waits for its transfer's whole duration: the level's bytes are split
-over its requests, its seconds over its transfers. Per level the bench keeps
-the delta of those counters and derives bytes per request, the time a request
-waits for its transfer, that time's share of TTFT, and the effective
-throughput. Bytes are checked against the KV layout of the stack measured
-(pdstack.kv_layout: whole blocks of the servers' own block size and KV type;
-311296 bytes per 16-token block on the CPU twin) from each request's prompt
-length.
+Mooncake is prefill-push, and one transfer may carry several requests' KV
+(prefill batches the requests bound for one decode in a step), so a request
+waits for its transfer's whole duration: the level's bytes are split over its
+requests, its seconds over its transfers. Bytes are checked against the KV
+layout of the stack measured (pdstack.kv_layout: whole blocks of the servers'
+own block size and KV type) from each request's prompt length.
 """
 
 from __future__ import annotations
