@@ -72,14 +72,21 @@ def leftovers(net: netns.Network) -> list[str]:
     return sorted(found)
 
 
-@pytest.fixture
-def net() -> Iterator[netns.Network]:
-    network = netns.Network(TAG, ["a", "b"])
+@contextlib.contextmanager
+def removed(network: netns.Network) -> Iterator[netns.Network]:
+    """``network``, removed at the end: nothing of its tag may be left."""
     try:
-        network.create()
         yield network
     finally:
         network.remove()
+    assert leftovers(network) == []
+
+
+@pytest.fixture
+def net() -> Iterator[netns.Network]:
+    with removed(netns.Network(TAG, ["a", "b"])) as network:
+        network.create()
+        yield network
 
 
 def test_remove_leaves_nothing_of_the_tag(net: netns.Network) -> None:
@@ -158,8 +165,7 @@ def test_shape_installs_and_removes_a_token_bucket(net: netns.Network) -> None:
 
 def test_create_kills_and_replaces_a_stale_run() -> None:
     stale = netns.Network(TAG, ["a", "b"])
-    fresh = netns.Network(TAG, ["a", "b"])
-    try:
+    with removed(netns.Network(TAG, ["a", "b"])) as fresh:
         stale.create()
         ns = stale["a"].netns
         sleeper = subprocess.Popen(
@@ -175,21 +181,14 @@ def test_create_kills_and_replaces_a_stale_run() -> None:
         assert "10.99.0.1" not in run([*marker, "show", "dev", "lo"]).stdout
         refused = str(errno.ECONNREFUSED)
         assert connect_from(fresh["a"], fresh["b"].address, 9) == refused
-    finally:
-        fresh.remove()
-    assert leftovers(fresh) == []
 
 
 def test_a_tag_whose_subnet_is_routed_already_is_refused(net: netns.Network) -> None:
     other = netns.Network("utb", ["a"])
     assert other.subnet != net.subnet  # each tag a /24 of its own
     other.subnet = net.subnet  # as if its hash hit "ut"'s
-    try:
-        with pytest.raises(netns.NetnsError, match="routed already"):
-            other.create()
-    finally:
-        other.remove()
-    assert leftovers(other) == []
+    with removed(other), pytest.raises(netns.NetnsError, match="routed already"):
+        other.create()
     route = run(["ip", "route", "get", net["a"].address]).stdout
     assert f"dev {net.client_link}" in route  # "ut" untouched
 
