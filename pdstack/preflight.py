@@ -289,14 +289,11 @@ def run(
     overrides: Mapping[str, Any] | None = None,
     model_config: Path | None = None,
     draft_config: Path | None = None,
-    substitutions: Mapping[str, str] | None = None,
 ) -> list[Check]:
     """Every role of every profile on every GPU class, from configs/."""
     checks = []
     for profile in profiles:
-        subs = (
-            profile_substitutions(profile) if substitutions is None else substitutions
-        )
+        subs = profile_substitutions(profile)
         for role in roles:
             flags = {**config.vllm_flags(role, profile, "gpu"), **(overrides or {})}
             rendered = config.substituted(flags, subs)
@@ -385,19 +382,17 @@ def device_gpus() -> dict[str, tuple[int, int]]:
     return {f"sm{major}{minor}": (major, minor) for major, minor in sorted(caps)}
 
 
-def gate(
-    profile: str, role: str, flags: Mapping[str, Any], out: Any = sys.stderr
-) -> list[str]:
+def gate(profile: str, role: str, flags: Mapping[str, Any]) -> list[str]:
     """pdstack.serve's check before exec'ing vLLM: the problems (none: go on)."""
     gpus = device_gpus()
     if not gpus:
-        print("pdstack.preflight: no CUDA device visible; skipped", file=out)
+        print("pdstack.preflight: no CUDA device visible; skipped", file=sys.stderr)
         return []
     checks = [
         check(profile, role, gpu, cap, flags, allow_download=True)
         for gpu, cap in gpus.items()
     ]
-    print(table(checks), file=out, flush=True)
+    print(table(checks), file=sys.stderr, flush=True)
     return [p for c in checks for p in c.problems]
 
 

@@ -163,12 +163,8 @@ def _wait(
     return {name: left for name in groups if (left := records[name].members())}
 
 
-def stop(
-    records: Mapping[str, Record],
-    progress: Progress = print,
-    grace_s: float = STOP_GRACE_S,
-) -> None:
-    """SIGTERM each recorded group, SIGKILL what is left after ``grace_s``;
+def stop(records: Mapping[str, Record], progress: Progress = print) -> None:
+    """SIGTERM each recorded group, SIGKILL what is left after STOP_GRACE_S;
     returns when every member is gone, whether or not its leader still was."""
     groups = {name: procs for name, r in records.items() if (procs := r.members())}
     for name, procs in groups.items():
@@ -182,14 +178,14 @@ def stop(
                 "its process group; stopping them"
             )
         _signal(record.pgid, signal.SIGTERM)
-    left = _wait(records, groups, grace_s)
+    left = _wait(records, groups, STOP_GRACE_S)
     for name in left:
         progress(
-            f"{name} (pid {records[name].pid}) ignored SIGTERM for {grace_s:.0f}s; "
-            "killing"
+            f"{name} (pid {records[name].pid}) ignored SIGTERM for "
+            f"{STOP_GRACE_S:.0f}s; killing"
         )
         _signal(records[name].pgid, signal.SIGKILL)
-    if left and _wait(records, left, grace_s):
+    if left and _wait(records, left, STOP_GRACE_S):
         progress("some processes outlived SIGKILL; see `ps -eo pid,pgid,cmd`")
 
 
