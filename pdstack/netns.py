@@ -224,14 +224,14 @@ class Network:
         state = "up" if up else "down"
         self._in(self.bridge_ns, "ip", "link", "set", self[name].port, state)
 
-    def readdress(self, name: str, address: str | None = None) -> str:
+    def readdress(self, name: str) -> str:
         """Give a host a new address, as a re-created pod gets a new pod IP;
         returns it. Start its processes again after: the old ones are bound
         to the old address."""
         host = self[name]
         taken = {h.address for h in self.hosts.values()} | {self.client_address}
         free = (str(a) for a in self.subnet.hosts() if int(a) % 256 > 100)
-        fresh = address or next(a for a in free if a not in taken)
+        fresh = next(a for a in free if a not in taken)
         self._address(host, fresh)
         self.write_hosts()
         return fresh

@@ -156,16 +156,11 @@ def running(config: Mapping[str, Any], log: Path | None = None) -> Iterator[Prom
                 out.close()  # type: ignore[union-attr]
 
 
-def panel_queries(
-    dashboard: Mapping[str, Any], rate_interval: str = "1m"
-) -> list[tuple[str, str]]:
+def panel_queries(dashboard: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(panel title, PromQL) of every panel target, with Grafana's
-    ``$__rate_interval`` given a value."""
+    ``$__rate_interval`` given 1m."""
     return [
-        (
-            panel.get("title", ""),
-            target["expr"].replace("$__rate_interval", rate_interval),
-        )
+        (panel.get("title", ""), target["expr"].replace("$__rate_interval", "1m"))
         for panel in dashboard["panels"]
         for target in panel.get("targets", [])
         if target.get("expr")
