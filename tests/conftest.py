@@ -20,16 +20,13 @@ if TYPE_CHECKING:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     """A copy of the small recorded run (bench/fixtures/small-run)."""
-    target = tmp_path / "run"
-    shutil.copytree(SMALL_RUN, target)
-    return target
+    return shutil.copytree(SMALL_RUN, tmp_path / "run")
 
 
 @pytest.fixture
 def configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A copy of configs/ that pdstack.config renders from."""
-    copy = tmp_path / "configs"
-    shutil.copytree(config.CONFIGS, copy)
+    copy = shutil.copytree(config.CONFIGS, tmp_path / "configs")
     monkeypatch.setattr(config, "CONFIGS", copy)
     return copy
 
