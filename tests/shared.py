@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,23 +53,20 @@ def serving(apps: dict[int, web.Application], **options: Any) -> Iterator[None]:
     """Each app on its loopback port (port -> app), served by an event loop in
     a daemon thread; ``options`` go to web.AppRunner."""
     loop = asyncio.new_event_loop()
-    runners = [web.AppRunner(app, **options) for app in apps.values()]
-
-    async def start() -> None:
-        for runner, port in zip(runners, apps, strict=True):
-            await runner.setup()
-            await web.TCPSite(runner, HOST, port).start()
-
-    async def stop() -> None:
-        for runner in runners:
-            await runner.cleanup()
-
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
+
+    def run(step: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(step, loop).result(timeout=30)
+
+    runners = [web.AppRunner(app, **options) for app in apps.values()]
+    for runner, port in zip(runners, apps, strict=True):
+        run(runner.setup())
+        run(web.TCPSite(runner, HOST, port).start())
     try:
         yield
     finally:
-        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=30)
+        for runner in runners:
+            run(runner.cleanup())
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
