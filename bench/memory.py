@@ -25,15 +25,12 @@ PSS_INTERVAL_S = 5.0
 def _sum(
     groups: Mapping[str, Sequence[Record]], read: Callable[[psutil.Process], int]
 ) -> dict[str, int]:
-    out: dict[str, int] = {}
+    out = dict.fromkeys(groups, 0)
     for name, records in groups.items():
-        total = 0
-        for record in records:
-            # The whole process group: also an engine core whose server died.
-            for proc in record.members():
-                with contextlib.suppress(psutil.Error):
-                    total += read(proc)
-        out[name] = total
+        # The whole process group: also an engine core whose server died.
+        for proc in (p for record in records for p in record.members()):
+            with contextlib.suppress(psutil.Error):
+                out[name] += read(proc)
     return out
 
 
