@@ -13,7 +13,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ class Exchange:
     request: Any
     status: int = 0
     response: Any = None
-    started: float = 0.0
+    started: float = field(default_factory=time.monotonic)
     finished: float = 0.0
 
     def finish(self, status: int, response: Any) -> None:
@@ -75,6 +75,10 @@ def _decode(raw: bytes) -> Any:
         return raw.decode(errors="replace")
 
 
+def _kept(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _DROP}
+
+
 class TapServer:
     """Runs taps in a background event loop: ``with TapServer(taps): ...``."""
 
@@ -92,24 +96,19 @@ class TapServer:
             exchange = Exchange(
                 tap.name, request.method, request.path_qs, _decode(body)
             )
-            exchange.started = time.monotonic()
             tap.exchanges.append(exchange)
             if tap.upstream is None:
                 return await self._stub(tap, request, exchange)
-            headers = {
-                k: v for k, v in request.headers.items() if k.lower() not in _DROP
-            }
             async with session.request(
                 request.method,
                 tap.upstream + request.path_qs,
                 data=body or None,
-                headers=headers,
+                headers=_kept(request.headers),
                 allow_redirects=False,
             ) as upstream:
-                out = web.StreamResponse(status=upstream.status)
-                for key, value in upstream.headers.items():
-                    if key.lower() not in _DROP:
-                        out.headers[key] = value
+                out = web.StreamResponse(
+                    status=upstream.status, headers=_kept(upstream.headers)
+                )
                 await out.prepare(request)
                 kept = bytearray()
                 async for chunk in upstream.content.iter_any():
