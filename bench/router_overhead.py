@@ -62,18 +62,16 @@ class Connection(http.client.HTTPConnection):
                 self.request("POST", path, body, {"Content-Type": "application/json"})
                 answer = self.getresponse()
                 data = answer.read()
+                break
             except (http.client.HTTPException, ConnectionError):
                 self.close()
                 if attempt == 2:
                     raise
-                continue
-            if answer.status != 200:
-                raise router_capture.ProtocolError(
-                    f"{self.host}:{self.port}{path}: HTTP {answer.status}: "
-                    f"{data[:300]!r}"
-                )
-            return data
-        raise AssertionError("unreachable")
+        if answer.status != 200:
+            raise router_capture.ProtocolError(
+                f"{self.host}:{self.port}{path}: HTTP {answer.status}: {data[:300]!r}"
+            )
+        return data
 
 
 def measure(
@@ -83,7 +81,6 @@ def measure(
     bootstrap: str,
     model: str,
     pairs: int,
-    max_tokens: int = 2,
     warmup: int = 3,
     progress: router_capture.Progress = print,
 ) -> Overhead:
@@ -111,7 +108,7 @@ def measure(
     try:
         for i in range(warmup + pairs):
             body = {"model": model, "prompt": f"{i} {router_capture.PROMPT}",
-                    "max_tokens": max_tokens, "temperature": 0.0,
+                    "max_tokens": 2, "temperature": 0.0,
                     "ignore_eos": True}  # fmt: skip
             routed = json.dumps(body).encode()
             prefill, decode = router_capture.build_legs(body, engine, bootstrap)
