@@ -44,11 +44,10 @@ def show(line: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = {
-        name: sub.add_parser(name, help=text) for name, text in COMMANDS.items()
-    }
-    for each in commands.values():
-        settings.add_arguments(each)
+    commands = {}
+    for name, text in COMMANDS.items():
+        commands[name] = sub.add_parser(name, help=text)
+        settings.add_arguments(commands[name])
     for command, flag, text, more in OPTIONS:
         commands[command].add_argument(flag, help=text, **more)
     rebuild = sub.add_parser("report", help="rebuild a run's report from its JSON")
