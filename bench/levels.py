@@ -126,10 +126,6 @@ def fmt_gbps(bps: float | None, digits: int = 2) -> str:
     return "n/a" if bps is None else f"{bps / 1e9:.{digits}f}"
 
 
-def fmt_ratio(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
-
-
 def fmt_pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.1f}%"
 

@@ -36,7 +36,6 @@ from bench.levels import (
     fmt,
     fmt_gbps,
     fmt_pct,
-    fmt_ratio,
     level_name,
     ratio,
     read_json,
@@ -64,8 +63,9 @@ def comparison_table(pairs: Sequence[Pair]) -> list[str]:
         for key, _ in METRICS:
             pd, colo = pair.value("pd", key), pair.value("colocated", key)
             digits = 0 if key == "output_throughput" or (pd or 0) >= 100 else 1
-            shown = f"{fmt(pd, digits)} / {fmt(colo, digits)}"
-            out.append(f"{shown} ({fmt_ratio(ratio(pd, colo))})")
+            r = ratio(pd, colo)
+            shown = "n/a" if r is None else f"{r:.2f}x"
+            out.append(f"{fmt(pd, digits)} / {fmt(colo, digits)} ({shown})")
         return out
 
     head = ["prompt", "conc.", *(title for _, title in METRICS)]
@@ -302,8 +302,7 @@ def markdown(run: Run, plotted: bool) -> str:
                     f"overhead {fmt(data.get(f'p{p}_overhead_ms'), 2)} ms "
                     f"(paired {fmt(data.get(f'p{p}_paired_overhead_ms'), 2)} ms)"
                 )
-        cap = overhead.get("capture") or {}
-        if cap:
+        if cap := overhead.get("capture"):
             p_params = (cap.get("prefill_leg") or {}).get("kv_transfer_params")
             d_params = (cap.get("decode_leg") or {}).get("kv_transfer_params")
             answered = json.dumps(cap.get("prefill_response_kv_params"))
