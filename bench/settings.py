@@ -196,8 +196,7 @@ def from_args(args: argparse.Namespace) -> Settings:
     given = {name: getattr(args, f"{name}_url").rstrip("/") for name in URL_NAMES}
     urls = None
     if any(given.values()):
-        missing = [name for name, url in given.items() if not url]
-        if missing:
+        if missing := [name for name, url in given.items() if not url]:
             raise SettingsError(
                 "against a running stack give all four URLs; missing: "
                 + ", ".join(f"BENCH_{m.upper()}_URL" for m in missing)
