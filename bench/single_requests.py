@@ -13,20 +13,17 @@ fresh / fragmented) measure this way.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.levels import LevelResult, level_name
+from bench.levels import LevelResult, level_name, read_json
 from bench.settings import Settings
 from bench.vllm_bench import Level, Plan
 
 # Only TTFT is measured: two output tokens keep each request short.
 OUTPUT_LEN = 2
-WARMUP = "warmup"
-SKIP = (".status.json", ".kv.json")
 
 
 def levels(
@@ -47,7 +44,7 @@ def levels(
                      prefill, str(out / f"{name}.kv.json"))  # fmt: skip
 
     first = min(s.input_lens)
-    chosen = [level(f"{WARMUP}-in{first}", first, seed - 1)] if warmup else []
+    chosen = [level(f"warmup-in{first}", first, seed - 1)] if warmup else []
     runs = [(n, i) for n in sorted(s.input_lens) for i in range(requests)]
     return chosen + [
         level(f"{level_name('pd', n, 1)}-r{i}", n, seed + k)
@@ -85,13 +82,12 @@ def read(where: Path) -> dict[int, list[Request]]:
     warm-up is not among them)."""
     out: dict[int, list[Request]] = {}
     for path in sorted(where.glob("pd-in*-c1-r*.json")):
-        if path.name.endswith(SKIP):
+        if path.name.endswith((".status.json", ".kv.json")):
             continue
-        level = LevelResult.from_json(json.loads(path.read_text()))
+        level = LevelResult.from_json(read_json(path))
         if not level.completed or "p50_ttft_ms" not in level.values:
             continue
-        kv = path.with_name(path.name.removesuffix(".json") + ".kv.json")
-        counters = json.loads(kv.read_text()) if kv.exists() else {}
+        counters = read_json(path.with_suffix(".kv.json")) or {}
         request = Request(level.values["p50_ttft_ms"], level.input_lens, counters)
         out.setdefault(level.input_len, []).append(request)
     return out
