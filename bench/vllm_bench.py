@@ -65,9 +65,7 @@ class Plan:
     budget_s: float = float("inf")
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["levels"] = [asdict(level) for level in self.levels]
-        return data
+        return asdict(self)  # the levels too (a tuple of dicts: a JSON list)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Plan:
@@ -77,7 +75,6 @@ class Plan:
 
 
 def bench_serve_args(plan: Plan, level: Level) -> list[str]:
-    """The arguments of ``vllm bench serve`` for one level."""
     result = Path(level.result_file)
     ratio = level.range_ratio
     spread = ["--random-range-ratio", str(ratio)] if ratio else []
@@ -146,16 +143,15 @@ def run(plan: Plan) -> int:
     for i, level in enumerate(plan.levels, 1):
         remaining = plan.budget_s - (time.monotonic() - sweep_start)
         partner = i < len(keys) and keys[i] == keys[i - 1]
-        first_of_pair = partner and (i == 1 or keys[i - 2] != keys[i - 1])
+        share = 2 if partner and (i == 1 or keys[i - 2] != keys[i - 1]) else 1
         result = Path(level.result_file)
         status_file = result.with_suffix(".status.json")
         name = f"[bench] level {i}/{len(keys)}"
-        if remaining < (2 * MIN_LEVEL_S if first_of_pair else MIN_LEVEL_S):
+        if remaining < share * MIN_LEVEL_S:
             status_file.write_text(json.dumps({"status": "skipped: budget spent"}))
             print(f"{name}: skipped, budget spent")
             continue
-        timeout = min(level.timeout_s or plan.timeout_s,
-                      remaining / 2 if first_of_pair else remaining)  # fmt: skip
+        timeout = min(level.timeout_s or plan.timeout_s, remaining / share)
         head = (
             f"{name}: {level.target}, "
             f"{level.input_len} prompt tokens, concurrency {level.concurrency}, "
@@ -176,8 +172,7 @@ def run(plan: Plan) -> int:
             status = f"failed: {type(exc).__name__}: {exc}"
         took = time.monotonic() - start
         status_file.write_text(json.dumps({"status": status, "seconds": took}))
-        if status != "ok":
-            failures += 1
+        failures += status != "ok"
         completed = 0
         if result.exists():
             completed = int(json.loads(result.read_text())["completed"])
