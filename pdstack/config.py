@@ -204,13 +204,11 @@ def with_env_overrides(
             value = BOOLS[raw.strip().lower()] if kind is bool else kind(raw)
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"{var}={raw!r}: expected {kind.__name__}") from exc
-        if not path:
-            out[flag] = value
-            continue
-        node = out.setdefault(flag, {})
-        for key in path[:-1]:
+        *parents, last = (flag, *path)
+        node = out
+        for key in parents:
             node = node.setdefault(key, {})
-        node[path[-1]] = value
+        node[last] = value
     return out
 
 

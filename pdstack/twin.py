@@ -43,14 +43,13 @@ def _launch(
     """Start ``role`` on the twin's ports; returns its health deadline."""
     if role == "router":
         argv, role_env = supervisor.router_command(u, router_extra or ()), {}
-        url, deadline = u.router, ROUTER_DEADLINE_S
+        deadline = ROUTER_DEADLINE_S
     else:
         from pdstack.serve import command
 
         argv, role_env = command(role, profile, "cpu", HOST)
-        url = u.prefill if role == "prefill" else u.decode
         deadline = SERVER_DEADLINE_S
-    procs.launch(role, argv, {**role_env, **(env or {})}, url, again)
+    procs.launch(role, argv, {**role_env, **(env or {})}, getattr(u, role), again)
     return deadline
 
 
