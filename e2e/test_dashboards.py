@@ -24,15 +24,10 @@ from pdstack import metrics as m
 # panels have two samples within seconds; the targets and rules are its own.
 INTERVAL = "1s"
 # Counters whose Prometheus value must equal the servers' own /metrics.
-COUNTERS = (
-    ("prefill", m.TRANSFERS),
-    ("prefill", m.BYTES),
-    ("prefill", m.FAILED_TRANSFERS),
-    ("decode", m.FAILED_RECVS),
-    ("decode", m.EXTERNAL_HITS),
-    ("decode", m.CHECKSUM_MATCH),
-    ("decode", m.CHECKSUM_MISMATCH),
-)
+COUNTERS = {
+    "prefill": (m.TRANSFERS, m.BYTES, m.FAILED_TRANSFERS),
+    "decode": (m.FAILED_RECVS, m.EXTERNAL_HITS, m.CHECKSUM_MATCH, m.CHECKSUM_MISMATCH),
+}
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +76,9 @@ def test_every_panel_has_data_and_counters_equal_the_servers(
     assert missing == []
 
     def differences() -> dict[str, tuple[float, float]]:
-        direct = {job: m.scrape(getattr(stack, job)) for job in ("prefill", "decode")}
+        direct = {job: m.scrape(getattr(stack, job)) for job in COUNTERS}
         out = {}
-        for job, name in COUNTERS:
+        for job, name in ((j, n) for j, names in COUNTERS.items() for n in names):
             # A labelled counter exists from its first increment: absent on
             # /metrics and in Prometheus alike reads 0 on both sides.
             mine = direct[job].total(name)
