@@ -45,16 +45,17 @@ def test_pd_equals_colocated(
     assert verdict.ok, verdict.describe()
 
 
+def at_once(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens, the requests all sent at once."""
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        done = pool.map(lambda p: client.complete(url, p, max_tokens), prompts)
+        return [c.token_ids for c in done]
+
+
 def test_sixteen_distinct_prompts_at_once(stack: Stack) -> None:
     prompts = [stack.prompt(20 + 13 * i, salt=100 + i) for i in range(16)]
     expected = [stack.reference_steps(p, MAX_TOKENS) for p in prompts]
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        got = list(
-            pool.map(
-                lambda p: client.complete(stack.router, p, MAX_TOKENS).token_ids,
-                prompts,
-            )
-        )
+    got = at_once(stack.router, prompts, MAX_TOKENS)
     verdicts = [
         stack.judge(e, g, f"concurrent prompt {i}")
         for i, (e, g) in enumerate(zip(expected, got, strict=True))
@@ -101,13 +102,8 @@ def test_batch_invariance(stack: Stack, server: str) -> None:
         done = client.trace(url, prompt, MAX_TOKENS)
     assert done.top_logprobs is not None
     alone = oracle.steps(done.token_ids, done.top_logprobs)
-    with peak_running(url) as peak, ThreadPoolExecutor(max_workers=3) as pool:
-        batched = list(
-            pool.map(
-                lambda p: client.complete(url, p, 4 * MAX_TOKENS).token_ids,
-                [prompt, *others],
-            )
-        )
+    with peak_running(url) as peak:
+        batched = at_once(url, [prompt, *others], 4 * MAX_TOKENS)
     print(
         f"{server}: up to {peak[0]:.0f} requests running at once "
         f"({single[0]:.0f} for the prompt alone)"
