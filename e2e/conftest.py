@@ -9,15 +9,13 @@ E2E_REFERENCE_URL. The colocated reference defaults to the prefill server:
 a request sent to it without transfer parameters is served whole by one
 engine, with the same model, draft and flags, and no P/D.
 
-What the suite expects is read from the stack under test: the block size and
-KV element type from each server's /metrics, the shapes from the models'
-config.json (the tiny pair generated here, or --target-config and
---draft-config). Answers are judged by pdstack.oracle: exact on the twin,
-up to the first near-tie elsewhere (--near-tie-epsilon, 0 for exact).
+What the suite expects is read from the stack under test, and how answers
+are judged: README, "What the e2e suite proves".
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -70,7 +68,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--near-tie-epsilon",
         type=float,
-        default=_float_env("E2E_NEAR_TIE_EPSILON"),
+        # argparse converts a str default with ``type``.
+        default=os.environ.get("E2E_NEAR_TIE_EPSILON") or None,
         help=(
             "compare answers up to the reference's first top-1/top-2 margin "
             "below this many nats (env E2E_NEAR_TIE_EPSILON; default 0, exact, "
@@ -86,11 +85,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             "(env E2E_FAULT_FILE; docker/compose.e2e.yaml mounts run/e2e-fault)"
         ),
     )
-
-
-def _float_env(name: str) -> float | None:
-    raw = os.environ.get(name)
-    return float(raw) if raw else None
 
 
 @dataclass
@@ -128,15 +122,13 @@ class Stack:
         return tokens[:length]
 
 
-_TOKENS: dict[str, list[int]] = {}
 # Every answer judged this session: the near-tie report at the end.
 JUDGED: list[tuple[str, oracle.Verdict]] = []
 
 
+@functools.cache
 def _corpus_tokens(url: str) -> list[int]:
-    if url not in _TOKENS:
-        _TOKENS[url] = client.tokenize(url, CORPUS * 4)
-    return _TOKENS[url]
+    return client.tokenize(url, CORPUS * 4)
 
 
 @pytest.fixture(scope="session")
@@ -152,11 +144,11 @@ def probes() -> list[tiny_model.Probe]:
 @pytest.fixture(scope="session")
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     opt = request.config.getoption
+    epsilon = opt("near_tie_epsilon")
     if opt("router_url"):
         missing = [n for n in ("prefill", "decode") if not opt(f"{n}_url")]
         if missing:
             pytest.exit(f"--router-url given; also give --{missing[0]}-url", 2)
-        epsilon = opt("near_tie_epsilon")
         fault_file = opt("fault_file")
         yield Stack(
             router=opt("router_url"),
@@ -183,7 +175,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
             reference=urls.prefill,
             owned=True,
             run_dir=E2E_RUN_DIR,
-            epsilon=opt("near_tie_epsilon") or 0.0,
+            epsilon=epsilon or 0.0,
             fault_file=FAULT_FILE,
         )
     finally:
