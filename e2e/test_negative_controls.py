@@ -81,20 +81,6 @@ def fault_file(stack: Stack) -> Path:
     return stack.fault_file
 
 
-@pytest.fixture
-def fault(fault_file: Path) -> Iterator[Callable[[str], None]]:
-    """Switch a fault on decode on (on for the rest of the test)."""
-
-    def switch_on(name: str) -> None:
-        fault_file.parent.mkdir(parents=True, exist_ok=True)
-        fault_file.write_text(name)
-
-    try:
-        yield switch_on
-    finally:
-        fault_file.unlink(missing_ok=True)
-
-
 Corrupted = tuple[
     list[list[oracle.Step]], list[list[int] | str], m.Snapshot, m.Snapshot, int
 ]
@@ -104,18 +90,20 @@ Corrupted = tuple[
 def corrupted(
     stack: Stack,
     checksum_on: bool,
-    fault: Callable[[str], None],
+    fault_file: Path,
     layout: kv_layout.KVLayout,
-) -> Callable[[str, int], Corrupted]:
-    """Four requests through the router with fault ``name`` on: the
-    references, each answer's tokens (or its error), prefill's and decode's
-    deltas (decode's once it counted each region's checksum verdicts, or 1 s
-    with the checksum off) and the number of regions."""
+) -> Iterator[Callable[[str, int], Corrupted]]:
+    """Four requests through the router with fault ``name`` on (on decode,
+    for the rest of the test): the references, each answer's tokens (or its
+    error), prefill's and decode's deltas (decode's once it counted each
+    region's checksum verdicts, or 1 s with the checksum off) and the number
+    of regions."""
     regions = sum(r.layers for r in layout.regions)
     verdicts = 4 * regions if checksum_on else 0
 
     def run(name: str, salt: int) -> Corrupted:
-        fault(name)
+        fault_file.parent.mkdir(parents=True, exist_ok=True)
+        fault_file.write_text(name)
         prompts = [stack.prompt(30 + 11 * i, salt=salt + i) for i in range(4)]
         expected = [stack.reference_steps(p, MAX_TOKENS) for p in prompts]
         prefill0, decode0 = m.scrape(stack.prefill), m.scrape(stack.decode)
@@ -137,7 +125,10 @@ def corrupted(
         print(f"prefill transfers {prefill.total(m.TRANSFERS)}")
         return expected, got, prefill, decode, regions
 
-    return run
+    try:
+        yield run
+    finally:
+        fault_file.unlink(missing_ok=True)
 
 
 def assert_wrong_with_success_metrics(
