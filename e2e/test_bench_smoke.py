@@ -39,15 +39,14 @@ def model_path(url: str) -> str:
     return str(models[0]["root"])
 
 
-def write_layout(stack: Stack, out: Path) -> str:
-    """What bench.run writes before a sweep: the stack's own layout; the profile."""
+def write_layout(stack: Stack, out: Path) -> None:
+    """What bench.run writes before a sweep: the stack's own layout, the profile."""
     profile = os.environ.get("PD_PROFILE", "tiny")
     layout = kv_transfer.served_layout(stack.prefill, profile)
     if layout is None:
         pytest.skip(f"no model configs of profile {profile!r} on this host")
     (out / "kv_layout.json").write_text(json.dumps(layout))
     (out / "meta.json").write_text(json.dumps({"profile": profile}))
-    return profile
 
 
 def run_sweep(plan: Plan, out: Path) -> None:

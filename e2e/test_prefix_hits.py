@@ -18,11 +18,6 @@ from pdstack import metrics as m
 MAX_TOKENS = 12
 
 
-def prefix_caching(url: str) -> bool:
-    info = m.scrape(url).labels_of(m.CACHE_CONFIG_INFO)
-    return info.get("enable_prefix_caching") == "True"
-
-
 def test_full_prefix_hit_on_decode(stack: Stack) -> None:
     prompt = stack.prompt(80, salt=4000)
     expected = stack.reference_steps(prompt, MAX_TOKENS)
@@ -38,7 +33,8 @@ def test_full_prefix_hit_on_decode(stack: Stack) -> None:
         verdict = stack.judge(expected, answer, f"full prefix hit, {label}")
         assert verdict.ok, f"{label}: {verdict.describe()}"
     assert sum(sources.values()) == len(prompt)
-    if prefix_caching(stack.decode):
+    info = m.scrape(stack.decode).labels_of(m.CACHE_CONFIG_INFO)
+    if info.get("enable_prefix_caching") == "True":
         assert sources.get("local_cache_hit", 0) > 0
     else:
         assert sources.get("external_kv_transfer", 0) == len(prompt)

@@ -80,10 +80,9 @@ def test_prefill_transfer_metrics(
     assert prefill.total(m.FAILED_RECVS) == 0
     assert prefill.total(m.BYTES) == expected
     # The MLA target and the GQA draft are both there, each its own size.
-    assert regions.get(kv_layout.MLA, 0) == layout.transfer_bytes(tokens, kv_layout.MLA)
-    assert regions.get(kv_layout.GQA, 0) == layout.transfer_bytes(tokens, kv_layout.GQA)
-    assert regions.get(kv_layout.MLA, 0) > 0
-    assert regions.get(kv_layout.GQA, 0) > 0
+    for kind in (kv_layout.MLA, kv_layout.GQA):
+        assert regions.get(kind, 0) == layout.transfer_bytes(tokens, kind), kind
+        assert regions.get(kind, 0) > 0, kind
 
 
 def test_a_staged_transfer_takes_few_descriptors(
