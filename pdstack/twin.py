@@ -103,8 +103,7 @@ def running(run_dir: Path = RUN_DIR) -> dict[str, int]:
 
 
 def down(run_dir: Path = RUN_DIR, progress=print) -> None:
-    """Stop every recorded server with its whole process group, also the
-    orphans of a server that died alone."""
+    """Stop every recorded server, orphans included (``supervisor.stop``)."""
     processes(run_dir, progress).stop()
 
 
@@ -120,8 +119,7 @@ def _known(role: str) -> None:
 def kill(
     role: str, run_dir: Path = RUN_DIR, progress=print, deadline_s: float = 30.0
 ) -> float:
-    """SIGKILL one role and its process group, as a crash would (no graceful
-    shutdown, no goodbye to peers). Returns the seconds until it was gone."""
+    """One role's ``supervisor.Processes.kill`` (a crash); the seconds it took."""
     _known(role)
     procs = processes(run_dir, progress)
     pid = procs.running().get(role)
