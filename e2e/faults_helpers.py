@@ -46,16 +46,18 @@ def settings() -> dict[str, Any]:
     return data
 
 
-def stack_settings(
-    cfg: Mapping[str, Any],
-) -> tuple[dict[str, dict[str, str]], list[str]]:
-    """configs/faults.yaml's environment per role and vllm-router flags, as
-    the launchers take them (the fault stack, the multi-host twin)."""
+def stack_settings(cfg: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
+    """configs/faults.yaml's bounds, and its environment per role and
+    vllm-router flags as the launchers take them (twin.up, hosts.HostsTwin)."""
     role_env = {
         role: {k: str(v) for k, v in values.items()}
         for role, values in cfg["env"].items()
     }
-    return role_env, config.render(cfg["router"], {})
+    bounds = {k: float(v) for k, v in cfg["bounds"].items()}
+    return bounds, {
+        "role_env": role_env,
+        "router_extra": config.render(cfg["router"], {}),
+    }
 
 
 @dataclass
@@ -69,12 +71,12 @@ class FaultStack(Stack):
     idle: dict[str, float] = field(default_factory=dict)
 
 
-# --- the results table ----------------------------------------------------------
-
-
-def record(case: str, sent: int, failed: int, terminal_s: float, leaked: Any) -> None:
+def record(
+    case: str, sent: int, failed: int, terminal_s: float, leaked: Any, detail: str = ""
+) -> None:
     """One row of the table: requests sent, unexpected outcomes, slowest
-    terminal answer, what was not back to idle."""
+    terminal answer, what was not back to idle; printed with ``detail``, what
+    the case saw."""
     RESULTS.append(
         {
             "case": case,
@@ -88,6 +90,8 @@ def record(case: str, sent: int, failed: int, terminal_s: float, leaked: Any) ->
         f"[faults] {case}: sent {sent}, unexpected {failed}, "
         f"slowest terminal answer {terminal_s:.2f}s, leaks {leaked or 0}"
     )
+    if detail:
+        print(detail)
 
 
 def print_table() -> None:
@@ -103,9 +107,6 @@ def print_table() -> None:
     print("\n[faults] results\n" + "\n".join(lines), flush=True)
     if RUN_DIR.exists():
         (RUN_DIR / "results.json").write_text(json.dumps(RESULTS, indent=1))
-
-
-# --- requests -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -129,19 +130,17 @@ class Outcome:
 
 def post(
     url: str,
-    body: Mapping[str, Any] | None = None,
+    body: Mapping[str, Any] | str,
     *,
-    raw: str | None = None,
     timeout: float = 120.0,
     headers: Mapping[str, str] | None = None,
-    path: str = "/v1/completions",
 ) -> Outcome:
-    # A raw body is sent as given, declared JSON (the router must parse it).
-    sent = {"data": raw} if raw is not None else {"json": body}
+    # A str body is sent as given, declared JSON (the router must parse it).
+    sent = {"data": body} if isinstance(body, str) else {"json": body}
     start = time.monotonic()
     try:
         answer = requests.post(
-            url + path,
+            url + "/v1/completions",
             headers={"Content-Type": "application/json", **(headers or {})},
             timeout=timeout,
             **sent,
@@ -149,32 +148,6 @@ def post(
     except requests.RequestException as exc:
         return Outcome(None, repr(exc), time.monotonic() - start)
     return Outcome(answer.status_code, answer.text, time.monotonic() - start)
-
-
-def stream_then_leave(
-    url: str, body: Mapping[str, Any], chunks: int, timeout: float = 120.0
-) -> tuple[int, int, float]:
-    """Stream, read ``chunks`` SSE events, close the connection.
-
-    Returns (HTTP status, events read, seconds to the close).
-    """
-    start = time.monotonic()
-    answer = requests.post(
-        url + "/v1/completions",
-        json={**body, "stream": True},
-        stream=True,
-        timeout=timeout,
-    )
-    read = 0
-    try:
-        for line in answer.iter_lines():
-            if line.startswith(b"data:"):
-                read += 1
-            if read >= chunks:
-                break
-    finally:
-        answer.close()
-    return answer.status_code, read, time.monotonic() - start
 
 
 def require_owned(stack: FaultStack, why: str) -> None:
@@ -219,9 +192,6 @@ def serves_exactly(stack: FaultStack, salt: int) -> None:
 def abort_timeout(stack: FaultStack | hosts.HostsTwin) -> float:
     """Prefill's abort timeout: how long it holds KV for a decode that never pulls."""
     return float(stack.role_env["prefill"]["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"])
-
-
-# --- state: idle and leaks ------------------------------------------------------
 
 
 def server_state(url: str, role: str, label: str) -> dict[str, float]:
@@ -281,15 +251,20 @@ def counters(stack: Stack) -> dict[str, m.Snapshot]:
 
 
 def transferred(
-    stack: Stack, before: Mapping[str, m.Snapshot], tokens: int
+    stack: Stack,
+    before: Mapping[str, m.Snapshot],
+    tokens: int,
+    loaded: str = m.EXTERNAL_HITS,
+    sent: tuple[str, float] = (m.TRANSFERS, 1),
 ) -> tuple[m.Snapshot, m.Snapshot]:
-    """(decode, prefill) deltas since ``before`` once decode has loaded
-    ``tokens`` prompt tokens from prefill and prefill counted a transfer
-    (prefill counts its send after decode has the KV: settle both)."""
-    d = m.settle(
-        stack.decode, before["decode"], lambda d: d.total(m.EXTERNAL_HITS) >= tokens
+    """(decode, prefill) deltas since ``before`` once decode's ``loaded``
+    counts ``tokens`` (by default: loaded from prefill) and prefill's counter
+    reaches ``sent`` (a transfer). Prefill counts its send after decode has
+    the KV: settle both."""
+    d = m.settle(stack.decode, before["decode"], lambda d: d.total(loaded) >= tokens)
+    p = m.settle(
+        stack.prefill, before["prefill"], lambda p: p.total(sent[0]) >= sent[1]
     )
-    p = m.settle(stack.prefill, before["prefill"], lambda p: p.total(m.TRANSFERS) >= 1)
     return d, p
 
 

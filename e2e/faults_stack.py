@@ -14,7 +14,7 @@ stack over; the cases that would kill something skip.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from unittest import mock
 
 import pytest
@@ -35,13 +35,6 @@ from pdstack import config, supervisor, twin
 KEEP_ENV = "PD_FAULTS_KEEP"
 
 
-def fault_ports(base: config.Ports, offsets: Mapping[str, int]) -> dict[str, str]:
-    """The fault stack's port variables (configs/ports.env's names): the
-    session twin's ports, moved."""
-    names = {v: getattr(base, f) for f, v in config.port_variables().items()}
-    return {name: str(port + offsets.get(name, 0)) for name, port in names.items()}
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The fault cases last, in their order: a session fixture goes down at
     the session's end, so their stack then lives only as long as they run."""
@@ -52,7 +45,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
     """The stack the fault cases break, with its idle state and bounds."""
     cfg = settings()
-    bounds = {k: float(v) for k, v in cfg["bounds"].items()}
+    bounds, launch = stack_settings(cfg)
     opt = request.config.getoption
     if opt("router_url"):
         # The stack given by URLs (conftest's), with the fault suite's bounds.
@@ -61,13 +54,18 @@ def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
         yield given
         print_table()
         return
-    env = fault_ports(config.ports(), cfg["port_offsets"])
+    # The fault stack's port variables (configs/ports.env's names): the
+    # session twin's ports, moved.
+    base = config.ports()
+    env = {
+        name: str(getattr(base, field) + cfg["port_offsets"].get(name, 0))
+        for field, name in config.port_variables().items()
+    }
     # Prefill's side channel listens beside its bootstrap port: free it too.
     wanted = [*map(int, env.values()), config.ports(env).side_channel]
     busy = [port for port in wanted if supervisor.port_in_use(port)]
     if busy and not os.environ.get(KEEP_ENV):
         pytest.fail(f"fault stack ports in use: {busy} (configs/faults.yaml offsets)")
-    role_env, router_extra = stack_settings(cfg)
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     keep = os.environ.get(KEEP_ENV) == "1"
     # pdstack reads the ports from the environment.
@@ -75,12 +73,7 @@ def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
         if keep and set(twin.running(RUN_DIR)) == {*config.ROLES, "router"}:
             urls = twin.urls()  # reuse the kept stack (development only)
         else:
-            urls = twin.up(
-                run_dir=RUN_DIR,
-                progress=progress,
-                role_env=role_env,
-                router_extra=router_extra,
-            )
+            urls = twin.up(run_dir=RUN_DIR, progress=progress, **launch)
     stack = FaultStack(
         urls.router,
         urls.prefill,
@@ -91,7 +84,7 @@ def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
         env=env,
         bootstrap=f"http://{twin.HOST}:{urls.bootstrap_port}",
         bounds=bounds,
-        role_env=role_env,
+        role_env=launch["role_env"],
     )
     try:
         stack.idle = idle_state(stack)

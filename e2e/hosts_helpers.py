@@ -1,6 +1,4 @@
-"""The multi-host twin as the e2e suite drives it (e2e/test_hosts.py): the
-stack's handle, its idle and counter checks, requests in flight during a
-fault, and the router's choice of replicas."""
+"""The multi-host twin as the e2e suite drives it (e2e/test_hosts.py)."""
 
 from __future__ import annotations
 
@@ -38,11 +36,8 @@ class Hosts:
     def run_dir(self) -> Path:
         return self.twin.run_dir
 
-    def servers(self, role: str) -> list[str]:
-        return self.twin.servers(role)
-
     def all_servers(self) -> list[str]:
-        return [*self.servers("prefill"), *self.servers("decode")]
+        return [*self.twin.servers("prefill"), *self.twin.servers("decode")]
 
     def state(self) -> dict[str, float]:
         """faults_helpers.server_state of every server, keyed by its name."""
@@ -73,16 +68,17 @@ def deltas(h: Hosts, before: dict[str, m.Snapshot]) -> dict[str, m.Snapshot]:
 
 
 def in_flight_while(
-    h: Hosts, bodies: list[dict], fault: Callable[[], None]
+    h: Hosts, bodies: list[dict], fault: Callable[[], object], after_s: float = 0.0
 ) -> tuple[list[Outcome], float]:
     """``bodies`` sent through the router at once while ``fault`` runs
-    beside them: the outcomes, and the seconds from the fault's end until
-    the last terminal answer."""
+    beside them (``after_s`` after they left): the outcomes, and the seconds
+    from the fault's end until the last terminal answer."""
     with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
         futures = [
             pool.submit(post, h.twin.router, b, timeout=h.bounds["request"])
             for b in bodies
         ]
+        time.sleep(after_s)
         fault()
         done_at = time.monotonic()
         got = [f.result() for f in futures]

@@ -1,7 +1,5 @@
 """Fault suite, load: many concurrent requests of mixed lengths through the
 router, each exact, every prompt token loaded from prefill, nothing left.
-
-The suite's stack, bounds and results table: faults_helpers.
 """
 
 from __future__ import annotations
@@ -11,7 +9,6 @@ import time
 from faults_helpers import (
     FaultStack,
     counters,
-    greedy,
     post_all,
     record,
     references,
@@ -20,6 +17,7 @@ from faults_helpers import (
     wrong_answers,
 )
 from pdstack import metrics as m
+from pdstack.client import greedy
 
 pytest_plugins = ["faults_stack"]
 
@@ -28,10 +26,7 @@ LOAD_LENGTHS = (5, 16, 17, 40, 64, 65, 130, 300)
 
 def test_load_64_concurrent_mixed_lengths(faults: FaultStack) -> None:
     bodies = [
-        greedy(
-            faults.prompt(LOAD_LENGTHS[i % 8], salt=2000 + i),
-            4 + (i * 5) % 13,
-        )
+        greedy(faults.prompt(LOAD_LENGTHS[i % 8], salt=2000 + i), 4 + (i * 5) % 13)
         for i in range(64)
     ]
     expected = references(faults, bodies)
@@ -50,11 +45,9 @@ def test_load_64_concurrent_mixed_lengths(faults: FaultStack) -> None:
         len(failures) + len(wrong),
         max(o.seconds for o in outcomes),
         found,
-    )
-    print(
         f"load: {took:.1f}s for 64, transfers {p.total(m.TRANSFERS):.0f} "
         f"(failed {p.total(m.FAILED_TRANSFERS):.0f}), decode loaded "
-        f"{d.total(m.EXTERNAL_HITS):.0f}/{tokens} prompt tokens"
+        f"{d.total(m.EXTERNAL_HITS):.0f}/{tokens} prompt tokens",
     )
     assert failures == [], failures[0]
     assert wrong == []

@@ -1,7 +1,5 @@
 """Fault suite, clients: one that leaves halfway (during the stream, during
 the prefill leg) and one without the router's API key.
-
-The suite's stack, bounds and results table: faults_helpers.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from faults_helpers import (
     RUN_DIR,
     FaultStack,
     counters,
-    greedy,
     post,
     progress,
     record,
@@ -31,12 +28,12 @@ from faults_helpers import (
     require_owned,
     serves_exactly,
     settings,
-    stream_then_leave,
     transferred,
     wait_idle,
 )
 from pdstack import metrics as m
 from pdstack import twin, wait
+from pdstack.client import greedy
 from pdstack.supervisor import Processes
 
 pytest_plugins = ["faults_stack"]
@@ -44,15 +41,23 @@ pytest_plugins = ["faults_stack"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# --- a client that leaves ------------------------------------------------------------
-
-
 def test_client_disconnects_in_the_middle_of_a_stream(faults: FaultStack) -> None:
     max_tokens = 1000
     body = greedy(faults.prompt(40, salt=3000), max_tokens)
     before = counters(faults)
-    status, read, secs = stream_then_leave(faults.router, body, chunks=3)
+    start = time.monotonic()
+    url = f"{faults.router}/v1/completions"
+    stream = {**body, "stream": True}
+    # Three SSE events read, then the connection closed.
+    with requests.post(url, json=stream, stream=True, timeout=120.0) as answer:
+        status = answer.status_code
+        read = 0
+        for line in answer.iter_lines():
+            read += line.startswith(b"data:")
+            if read >= 3:
+                break
     left_at = time.monotonic()
+    secs = left_at - start
     waited, found = wait_idle(faults, faults.bounds["idle"])
     generated = (m.scrape(faults.decode) - before["decode"]).total(GENERATED)
     record("client leaves a stream after 3 chunks", 1, int(status != 200), secs, found)
@@ -130,25 +135,28 @@ def test_client_leaves_before_the_first_token(faults: FaultStack) -> None:
         int(bool(problems)),
         time.monotonic() - start,
         found,
-    )
-    print(
         f"left during prefill after {left_after:.2f}s: prefill's scheduler had "
         f"{p.total(CONNECTOR_QUERIES):.0f}/{len(prompt)} prompt tokens, idle after "
         f"{waited:.1f}s; decode saw {d.total(PROMPT_TOKENS):.0f} prompt tokens, "
-        f"generated {d.total(GENERATED):.0f}"
+        f"generated {d.total(GENERATED):.0f}",
     )
     assert problems == {}, found
     serves_exactly(faults, salt=3011)
 
 
-# --- security ----------------------------------------------------------------------
-
-
-def route_env(stack: FaultStack, key_file: Path) -> dict[str, str]:
+@contextlib.contextmanager
+def route(
+    stack: FaultStack, key_file: Path, name: str, *args: str
+) -> Iterator[tuple[Processes, str, str]]:
+    """``pdstack.route`` in front of ``stack``'s prefill and decode with the
+    key in ``key_file``, on the fault stack's router ports moved (faults.yaml's
+    api_key_router_offsets), log ``RUN_DIR/<name>.log``, stopped with its
+    whole process group at the end. Its own state file: the fault stack's is
+    the twin's. Yields its processes, its URL and vllm-router's behind it."""
     offsets = settings()["api_key_router_offsets"]
     router_port = int(stack.env["ROUTER_PORT"])
     metrics_port = int(stack.env["ROUTER_METRICS_PORT"])
-    return {
+    env = {
         **stack.env,
         "PREFILL_URL": stack.prefill,
         "DECODE_URL": stack.decode,
@@ -158,20 +166,16 @@ def route_env(stack: FaultStack, key_file: Path) -> dict[str, str]:
         "ROUTER_METRICS_PORT": str(metrics_port + offsets["ROUTER_METRICS_PORT"]),
         "ROUTER_API_KEY_FILE": str(key_file),
     }
-
-
-@contextlib.contextmanager
-def route(env: dict[str, str], name: str, *args: str) -> Iterator[Processes]:
-    """``pdstack.route`` on ``env``'s ports, log ``RUN_DIR/<name>.log``,
-    stopped with its whole process group at the end. Its own state file: the
-    fault stack's is the twin's."""
     procs = Processes(RUN_DIR, f"{name}.json", progress)
     argv = [sys.executable, "-m", "pdstack.route", *args]
     # pdstack from this checkout, wherever pytest was started.
     path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
     procs.launch(name, argv, {**env, "PYTHONPATH": path})
+    url, inner = (
+        f"http://{twin.HOST}:{env[f'ROUTER_{p}PORT']}" for p in ("", "INTERNAL_")
+    )
     try:
-        yield procs
+        yield procs, url, inner
     finally:
         procs.stop()
 
@@ -183,14 +187,11 @@ def test_router_with_an_api_key_refuses_requests_without_it(
     key = "pd-" + os.urandom(12).hex()
     key_file = tmp_path / "api_key"
     key_file.write_text(key + "\n")
-    env = route_env(faults, key_file)
-    url = f"http://{twin.HOST}:{env['ROUTER_PORT']}"
-    inner = f"http://{twin.HOST}:{env['ROUTER_INTERNAL_PORT']}"
     body = greedy(faults.prompt(24, salt=3500), 6)
     (expected,) = references(faults, [body])
-    with route(env, "router-api-key") as procs:
-        log = procs.log("router-api-key")
-        proc = procs.popen["router-api-key"]
+    name = "router-api-key"
+    with route(faults, key_file, name) as (procs, url, inner):
+        log, proc = procs.log(name), procs.popen[name]
         wait.until_healthy("api-key router", url, 60, proc, log, progress)
         wait.until_healthy("vllm-router behind it", inner, 60, None, log, progress)
         outcomes = {
@@ -199,18 +200,18 @@ def test_router_with_an_api_key_refuses_requests_without_it(
             "key": post(url, body, headers={"Authorization": f"Bearer {key}"}),
         }
         health = requests.get(f"{url}/health", timeout=10).status_code
-        group = procs.records()["router-api-key"].members()
+        group = procs.records()[name].members()
         cmdlines = [" ".join(p.cmdline()) for p in group]
     logged = log.read_text(errors="replace")
-    statuses = {name: o.status for name, o in outcomes.items()}
+    statuses = {kind: o.status for kind, o in outcomes.items()}
     record(
         "API key: none / wrong / right",
         3,
         int(statuses != {"no key": 401, "wrong key": 401, "key": 200}),
         max(o.seconds for o in outcomes.values()),
         0,
+        f"api key: {statuses}, /health {health}, {len(cmdlines)} processes",
     )
-    print(f"api key: {statuses}, /health {health}, {len(cmdlines)} processes")
     assert statuses == {"no key": 401, "wrong key": 401, "key": 200}
     assert outcomes["key"].token_ids == expected
     assert health == 200
@@ -227,12 +228,11 @@ def test_negative_control_vllm_router_alone_serves_without_the_key(
     require_owned(faults, "starts a router of its own next to prefill and decode")
     key_file = tmp_path / "api_key"
     key_file.write_text("pd-" + os.urandom(12).hex())
-    env = route_env(faults, key_file)
-    inner = f"http://{twin.HOST}:{env['ROUTER_INTERNAL_PORT']}"
     body = greedy(faults.prompt(12, salt=3510), 2)
     (expected,) = references(faults, [body])
-    with route(env, "router-backend-only", "--backend") as procs:
-        proc, log = procs.popen["router-backend-only"], procs.log("router-backend-only")
+    name = "router-backend-only"
+    with route(faults, key_file, name, "--backend") as (procs, _, inner):
+        proc, log = procs.popen[name], procs.log(name)
         wait.until_healthy("vllm-router --api-key", inner, 60, proc, log, progress)
         before = counters(faults)
         got = post(inner, body, timeout=60)

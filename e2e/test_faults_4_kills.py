@@ -2,8 +2,6 @@
 flight (SIGKILL, as a crash or the OOM killer does) and restarted on the same
 ports, as compose's `restart:` or Kubernetes would. Last in the suite: it
 restarts the fault stack's servers.
-
-The suite's stack, bounds and results table: faults_helpers.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from faults_helpers import (
     abort_timeout,
     counters,
     engine_ids,
-    greedy,
     post,
     progress,
     record,
@@ -36,6 +33,7 @@ from faults_helpers import (
 )
 from pdstack import metrics as m
 from pdstack import twin, wait
+from pdstack.client import greedy
 
 pytest_plugins = ["faults_stack"]
 
@@ -145,14 +143,11 @@ def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
         sum(s is None or s < 500 for s in statuses),
         terminal,
         found or found_after,
-    )
-    print(
         f"decode restarted in {restart_s:.0f}s; first success {recovered_s:.1f}s "
-        f"after, statuses on the way {seen}"
+        f"after, statuses on the way {seen}",
     )
-    assert {k: after[k] for k in ("prefill", "router")} == {
-        k: pids[k] for k in ("prefill", "router")
-    }
+    others = ("prefill", "router")
+    assert {k: after[k] for k in others} == {k: pids[k] for k in others}
     assert got.status == 200, got.body[:300]
     assert got.token_ids == expected
     assert found_after == {}
@@ -202,17 +197,14 @@ def test_prefill_killed_with_requests_in_flight(faults: FaultStack) -> None:
         sum(s is None for s in statuses),
         max(max(after_kill), while_dead.seconds),
         found,
-    )
-    print(
         f"prefill restarted in {restart_s:.0f}s, engine ids {ids_before} -> "
         f"{ids_after}; first success {recovered_s:.1f}s after, statuses on the "
         f"way {seen}; transfers {p.total(m.TRANSFERS):.0f}, decode loaded "
-        f"{d.total(m.EXTERNAL_HITS):.0f} tokens"
+        f"{d.total(m.EXTERNAL_HITS):.0f} tokens",
     )
     assert ids_after == ids_before, "the restarted prefill has a new engine id"
-    assert {k: after[k] for k in ("decode", "router")} == {
-        k: pids[k] for k in ("decode", "router")
-    }
+    others = ("decode", "router")
+    assert {k: after[k] for k in others} == {k: pids[k] for k in others}
     assert got.status == 200, got.body[:300]
     assert got.token_ids == expected
     # A real transfer, not decode recomputing the prompt.

@@ -31,7 +31,6 @@ from hosts_helpers import (
 from faults_helpers import (
     KV_FETCH,
     abort_timeout,
-    greedy,
     post,
     references,
     settings,
@@ -40,37 +39,31 @@ from faults_helpers import (
 )
 from pdstack import hosts, wait
 from pdstack import metrics as m
+from pdstack.client import greedy
 
 
 @pytest.fixture(scope="module")
-def stack_hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
+def h(request: pytest.FixtureRequest) -> Iterator[Hosts]:
     if request.config.getoption("router_url"):
         pytest.skip("the multi-host twin runs only where this suite starts stacks")
-    cfg = settings()
-    role_env, router_extra = stack_settings(cfg)
-    twin = hosts.HostsTwin(
-        run_dir=RUN_DIR,
-        progress=progress,
-        role_env=role_env,
-        router_extra=router_extra,
-    )
+    bounds, launch = stack_settings(settings())
+    twin = hosts.HostsTwin(run_dir=RUN_DIR, progress=progress, **launch)
     try:
         twin.up()
     except wait.WaitError as exc:
         pytest.fail(str(exc))
     try:
-        h = Hosts(twin, {k: float(v) for k, v in cfg["bounds"].items()}, {})
-        h.idle = h.state()
-        yield h
+        stack = Hosts(twin, bounds, {})
+        stack.idle = stack.state()
+        yield stack
     finally:
         twin.down()
 
 
-def test_xpyd_every_replica_serves_exact_answers(stack_hosts: Hosts) -> None:
+def test_xpyd_every_replica_serves_exact_answers(h: Hosts) -> None:
     """8 requests through the router, one at a time: each equal to the
     colocated reference, both prefills and both decodes served, one transfer
     per request on the prefills, nothing left behind."""
-    h = stack_hosts
     bodies = [
         greedy(h.reference.prompt(40 + 7 * i, salt=6000 + i), 6) for i in range(8)
     ]
@@ -82,15 +75,15 @@ def test_xpyd_every_replica_serves_exact_answers(stack_hosts: Hosts) -> None:
     after = wait.poll_last(
         lambda: deltas(h, before),
         lambda d: (
-            sum(d[n].total(m.EXTERNAL_HITS) for n in h.servers("decode")) >= tokens
-            and sum(d[n].total(m.TRANSFERS) for n in h.servers("prefill"))
+            sum(d[n].total(m.EXTERNAL_HITS) for n in h.twin.servers("decode")) >= tokens
+            and sum(d[n].total(m.TRANSFERS) for n in h.twin.servers("prefill"))
             >= len(bodies)
         ),
         20.0,
         "transfers counted",
     )[1]
-    transfers = {n: after[n].total(m.TRANSFERS) for n in h.servers("prefill")}
-    loaded = {n: after[n].total(m.EXTERNAL_HITS) for n in h.servers("decode")}
+    transfers = {n: after[n].total(m.TRANSFERS) for n in h.twin.servers("prefill")}
+    loaded = {n: after[n].total(m.EXTERNAL_HITS) for n in h.twin.servers("decode")}
     leaks = wait_idle(h)
     print(f"xPyD: transfers per prefill {transfers}, tokens loaded per decode {loaded}")
     assert [g.status for g in got] == [200] * len(bodies), [g.body[:200] for g in got]
@@ -144,11 +137,10 @@ def exact_streak(h: Hosts, salt: int) -> tuple[int, float, list[int | None]]:
     return streak, time.monotonic() - start, statuses
 
 
-def test_a_prefill_recreated_at_a_new_address_serves_again(stack_hosts: Hosts) -> None:
+def test_a_prefill_recreated_at_a_new_address_serves_again(h: Hosts) -> None:
     """A rescheduled pod: prefill-0 killed, back on a new IP under the same
     name and engine id. Without restarting decode or the router, requests
     succeed again on every replica within the recovery bound."""
-    h = stack_hosts
     # Every decode that serves prefill-0 has cached its side-channel address.
     serves_exactly_on_every_replica(h, salt=6050)
     old = h.twin.net["prefill-0"].address
@@ -164,22 +156,20 @@ def test_a_prefill_recreated_at_a_new_address_serves_again(stack_hosts: Hosts) -
     assert leaks == {}
 
 
-def test_a_partitioned_prefill_host_heals(stack_hosts: Hosts) -> None:
+def test_a_partitioned_prefill_host_heals(h: Hosts) -> None:
     """prefill-1's link down while requests are on their way, up again 6 s
     later: every client gets a terminal answer within the bound (an exact
     answer or an error, never a wrong one), and after the heal every
     replica serves exactly and nothing is left behind."""
-    h = stack_hosts
     bodies = [greedy(h.reference.prompt(600, salt=6200 + i), 8) for i in range(8)]
     expected = references(h.reference, bodies)
 
     def partition() -> None:
-        time.sleep(0.5)
         h.twin.net.link("prefill-1", False)
         time.sleep(6.0)
         h.twin.net.link("prefill-1", True)
 
-    got, _ = in_flight_while(h, bodies, partition)
+    got, _ = in_flight_while(h, bodies, partition, after_s=0.5)
     statuses = [g.status for g in got]
     wrong = wrong_answers(got, expected)
     slowest = max(g.seconds for g in got)
@@ -199,23 +189,21 @@ def test_a_partitioned_prefill_host_heals(stack_hosts: Hosts) -> None:
 SHAPED_RATE = "100mbit"
 
 
-def test_a_slow_link_slows_transfers_but_keeps_them_exact(stack_hosts: Hosts) -> None:
+def test_a_slow_link_slows_transfers_but_keeps_them_exact(h: Hosts) -> None:
     """prefill-0's link shaped to 100 Mbit/s (token bucket, both ways): the
     transfers through it take at least what the bytes need at that rate, and
     every answer still equals the reference."""
-    h = stack_hosts
     bodies = [greedy(h.reference.prompt(900, salt=6400 + i), 4) for i in range(4)]
     expected = references(h.reference, bodies)
     h.twin.net.shape("prefill-0", SHAPED_RATE)
     try:
         before = counters(h)
         got = [post(h.twin.router, b, timeout=h.bounds["request"]) for b in bodies]
-        p = wait.poll_last(
-            lambda: m.scrape(h.twin.url("prefill-0")) - before["prefill-0"],
+        p = m.settle(
+            h.twin.url("prefill-0"),
+            before["prefill-0"],
             lambda d: d.total(m.TRANSFERS) >= len(bodies) // 2,
-            20.0,
-            "prefill-0's transfers counted",
-        )[1]
+        )
     finally:
         h.twin.net.shape("prefill-0", None)
     moved, seconds = p.total(m.BYTES), p.total(m.TRANSFER_SECONDS)
@@ -242,15 +230,12 @@ slow = pytest.mark.skipif(
 
 
 @slow
-def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(
-    stack_hosts: Hosts,
-) -> None:
+def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(h: Hosts) -> None:
     """prefill-1's link down and left down (a host gone silent: no refusal,
     no answer): decode fails a pull from it within the bound of a refusing
     host. Then prefill-1 killed (its port refuses) for comparison, and one of
     two prefills dead: new requests through the router all succeed on the
     other one within the router's health interval."""
-    h = stack_hosts
     # A pull from a prefill this decode has not met yet asks its bootstrap
     # server first (upstream: three tries): compare pulls from a known one.
     decode = decode_that_pulled_from(h, "prefill-1", salt=6500)
@@ -265,12 +250,9 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(
     # Killed with 6 requests in flight through the router (half on each).
     bodies = [greedy(h.reference.prompt(500, salt=6530 + i), 4) for i in range(6)]
     expected_each = references(h.reference, bodies)
-
-    def kill() -> None:
-        time.sleep(0.5)
-        h.twin.kill("prefill-1")
-
-    in_flight, after_kill_s = in_flight_while(h, bodies, kill)
+    in_flight, after_kill_s = in_flight_while(
+        h, bodies, lambda: h.twin.kill("prefill-1"), after_s=0.5
+    )
     served = [
         g
         for g, e in zip(in_flight, expected_each, strict=True)
@@ -308,11 +290,10 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(
 
 
 @slow
-def test_one_of_two_decodes_killed(stack_hosts: Hosts) -> None:
+def test_one_of_two_decodes_killed(h: Hosts) -> None:
     """decode-1 killed: requests through the router succeed again on
     decode-0 within the router's health interval, and decode-1 restarted
     serves again without restarting anything else."""
-    h = stack_hosts
     h.twin.kill("decode-1")
     try:
         streak, only_one_s, statuses = exact_streak(h, salt=6600)
@@ -332,7 +313,7 @@ def test_one_of_two_decodes_killed(stack_hosts: Hosts) -> None:
 
 @slow
 def test_a_partition_mid_transfer_lands_late_writes_in_a_held_back_span(
-    stack_hosts: Hosts,
+    h: Hosts,
 ) -> None:
     """prefill-1's link shaped to 50 Mbit/s (a 2000-token transfer takes
     seconds) and cut while a transfer is on its way; decode fails the pull
@@ -341,7 +322,6 @@ def test_a_partition_mid_transfer_lands_late_writes_in_a_held_back_span(
     landed 38 s after decode gave up, into blocks it had freed). Now the send
     is one staged record (pd_mooncake.staging): its descriptors can only land
     in decode's staging span, which decode holds back, never in KV blocks."""
-    h = stack_hosts
     decode = decode_that_pulled_from(h, "prefill-1", salt=6700)
     # Round-robin: the next request goes to prefill-0, the one after to 1.
     post(h.twin.router, greedy(h.reference.prompt(20, salt=6705), 2), timeout=60)
@@ -355,7 +335,8 @@ def test_a_partition_mid_transfer_lands_late_writes_in_a_held_back_span(
             # prefill answered the router: the bytes are on their way.
             wait.poll(
                 lambda: sum(
-                    m.scrape(h.twin.url(n)).total(KV_FETCH) for n in h.servers("decode")
+                    m.scrape(h.twin.url(n)).total(KV_FETCH)
+                    for n in h.twin.servers("decode")
                 ),
                 lambda fetching: fetching > 0,
                 h.bounds["request"],

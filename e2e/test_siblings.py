@@ -12,28 +12,11 @@ loaded every engine request's prompt from prefill.
 from __future__ import annotations
 
 from conftest import Stack
-from faults_helpers import counters
+from faults_helpers import counters, transferred
 from pdstack import client, kv_layout
 from pdstack import metrics as m
 
 MAX_TOKENS = 12
-
-
-def pulled(
-    stack: Stack, before: dict[str, m.Snapshot], tokens: int, transfer_bytes: int
-) -> tuple:
-    """(decode, prefill) deltas once decode has counted ``tokens`` loaded."""
-    decode = m.settle(
-        stack.decode,
-        before["decode"],
-        lambda d: d.total(m.PROMPT_TOKENS_BY_SOURCE) >= tokens,
-    )
-    prefill = m.settle(
-        stack.prefill,
-        before["prefill"],
-        lambda d: d.total(m.BYTES) >= transfer_bytes,
-    )
-    return decode, prefill
 
 
 def test_each_prompt_of_a_batch_is_decoded_from_its_own_kv(
@@ -48,11 +31,10 @@ def test_each_prompt_of_a_batch_is_decoded_from_its_own_kv(
     before = counters(stack)
     got = [c.token_ids for c in client.complete_all(stack.router, batch, MAX_TOKENS)]
     tokens = sum(kv_layout.tokens_loaded(len(p)) for p in batch)
-    decode, prefill = pulled(
-        stack,
-        before,
-        tokens,
-        sum(layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in batch),
+    # Every engine request's own blocks, not one prompt's KV four times.
+    moved = sum(layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in batch)
+    decode, prefill = transferred(
+        stack, before, tokens, m.PROMPT_TOKENS_BY_SOURCE, (m.BYTES, moved)
     )
     sources = decode.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
     wrong = [
@@ -68,10 +50,7 @@ def test_each_prompt_of_a_batch_is_decoded_from_its_own_kv(
     assert wrong == []
     assert sources.get("external_kv_transfer", 0) == tokens
     assert sources.get("local_compute", 0) == sum(len(p) for p in batch) - tokens
-    # Every engine request's own blocks, not one prompt's KV four times.
-    assert prefill.total(m.BYTES) == sum(
-        layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in batch
-    )
+    assert prefill.total(m.BYTES) == moved
     assert prefill.total(m.FAILED_TRANSFERS) == 0
     assert prefill.total(m.EXPIRED) == 0
 
@@ -91,7 +70,9 @@ def test_n_children_each_pull_their_own_copy(
     per_copy = sum(
         layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in prompts
     )
-    decode, prefill = pulled(stack, before, tokens, 3 * per_copy)
+    decode, prefill = transferred(
+        stack, before, tokens, m.PROMPT_TOKENS_BY_SOURCE, (m.BYTES, 3 * per_copy)
+    )
     sources = decode.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
     print(
         f"n=3 x 2 prompts: {len(got)} choices; decode sources {sources}; prefill "
