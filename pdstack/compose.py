@@ -59,13 +59,9 @@ def cli(
 def model(profiles: Iterable[str] = (), env: Mapping[str, str] | None = None) -> Any:
     """The resolved model (`docker compose config --format json`) of the stack
     as `make up` starts it (.env and configs/ports.env)."""
+    env_files = (DOTENV, PORTS_ENV)
     result = cli(
-        "config",
-        "--format",
-        "json",
-        profiles=profiles,
-        env=env,
-        env_files=(DOTENV, PORTS_ENV),
+        "config", "--format", "json", profiles=profiles, env=env, env_files=env_files
     )
     if result.returncode != 0:
         raise ComposeError(f"docker compose config failed: {result.stderr.strip()}")

@@ -109,16 +109,13 @@ def vllm_flags(role: str, profile_name: str, target_name: str) -> dict[str, Any]
             f"profile {profile_name!r}: unknown target {unknown[0]!r} under "
             f"'targets'; known: {', '.join(TARGETS)}"
         )
-    merged: dict[str, Any] = {}
-    for layer in (
-        _load(CONFIGS / "vllm" / "common.yaml"),
-        chosen.get("vllm", {}),
-        _load(CONFIGS / "vllm" / f"{role}.yaml"),
-        target(target_name).get("vllm", {}),
-        per_target.get(target_name) or {},
-    ):
-        merged.update(layer)
-    return merged
+    return {
+        **_load(CONFIGS / "vllm" / "common.yaml"),
+        **chosen.get("vllm", {}),
+        **_load(CONFIGS / "vllm" / f"{role}.yaml"),
+        **target(target_name).get("vllm", {}),
+        **(per_target.get(target_name) or {}),
+    }
 
 
 def substituted(flags: Any, substitutions: Mapping[str, str]) -> Any:
