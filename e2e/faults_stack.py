@@ -19,15 +19,7 @@ from unittest import mock
 
 import pytest
 
-from faults_helpers import (
-    RUN_DIR,
-    FaultStack,
-    idle_state,
-    print_table,
-    progress,
-    settings,
-    stack_settings,
-)
+import faults_helpers as fh
 from pdstack import config, supervisor, twin
 
 # Development: PD_FAULTS_KEEP=1 leaves the fault stack running after the
@@ -42,17 +34,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
+def faults(request: pytest.FixtureRequest) -> Iterator[fh.FaultStack]:
     """The stack the fault cases break, with its idle state and bounds."""
-    cfg = settings()
-    bounds, launch = stack_settings(cfg)
+    cfg = fh.settings()
+    bounds, launch = fh.stack_settings(cfg)
     opt = request.config.getoption
     if opt("router_url"):
         # The stack given by URLs (conftest's), with the fault suite's bounds.
-        given = FaultStack(**vars(request.getfixturevalue("stack")), bounds=bounds)
-        given.idle = idle_state(given)
+        given = fh.FaultStack(**vars(request.getfixturevalue("stack")), bounds=bounds)
+        given.idle = fh.idle_state(given)
         yield given
-        print_table()
+        fh.print_table()
         return
     # The fault stack's port variables (configs/ports.env's names): the
     # session twin's ports, moved.
@@ -66,31 +58,31 @@ def faults(request: pytest.FixtureRequest) -> Iterator[FaultStack]:
     busy = [port for port in wanted if supervisor.port_in_use(port)]
     if busy and not os.environ.get(KEEP_ENV):
         pytest.fail(f"fault stack ports in use: {busy} (configs/faults.yaml offsets)")
-    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    fh.RUN_DIR.mkdir(parents=True, exist_ok=True)
     keep = os.environ.get(KEEP_ENV) == "1"
     # pdstack reads the ports from the environment.
     with mock.patch.dict(os.environ, env):
-        if keep and set(twin.running(RUN_DIR)) == {*config.ROLES, "router"}:
+        if keep and set(twin.running(fh.RUN_DIR)) == {*config.ROLES, "router"}:
             urls = twin.urls()  # reuse the kept stack (development only)
         else:
-            urls = twin.up(run_dir=RUN_DIR, progress=progress, **launch)
-    stack = FaultStack(
+            urls = twin.up(run_dir=fh.RUN_DIR, progress=fh.progress, **launch)
+    stack = fh.FaultStack(
         urls.router,
         urls.prefill,
         urls.decode,
         urls.prefill,
         owned=True,
-        run_dir=RUN_DIR,
+        run_dir=fh.RUN_DIR,
         env=env,
         bootstrap=f"http://{twin.HOST}:{urls.bootstrap_port}",
         bounds=bounds,
         role_env=launch["role_env"],
     )
     try:
-        stack.idle = idle_state(stack)
+        stack.idle = fh.idle_state(stack)
         yield stack
     finally:
         if not keep:
             with mock.patch.dict(os.environ, env):
-                twin.down(RUN_DIR, progress=progress)
-        print_table()
+                twin.down(fh.RUN_DIR, progress=fh.progress)
+        fh.print_table()

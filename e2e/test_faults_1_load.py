@@ -6,16 +6,7 @@ from __future__ import annotations
 
 import time
 
-from faults_helpers import (
-    FaultStack,
-    counters,
-    post_all,
-    record,
-    references,
-    transferred,
-    wait_idle,
-    wrong_answers,
-)
+import faults_helpers as fh
 from pdstack import metrics as m
 from pdstack.client import greedy
 
@@ -24,22 +15,22 @@ pytest_plugins = ["faults_stack"]
 LOAD_LENGTHS = (5, 16, 17, 40, 64, 65, 130, 300)
 
 
-def test_load_64_concurrent_mixed_lengths(faults: FaultStack) -> None:
+def test_load_64_concurrent_mixed_lengths(faults: fh.FaultStack) -> None:
     bodies = [
         greedy(faults.prompt(LOAD_LENGTHS[i % 8], salt=2000 + i), 4 + (i * 5) % 13)
         for i in range(64)
     ]
-    expected = references(faults, bodies)
-    before = counters(faults)
+    expected = fh.references(faults, bodies)
+    before = fh.counters(faults)
     start = time.monotonic()
-    outcomes = post_all(faults.router, bodies, faults.bounds["request"])
+    outcomes = fh.post_all(faults.router, bodies, faults.bounds["request"])
     took = time.monotonic() - start
     failures = [o for o in outcomes if o.status != 200]
-    wrong = wrong_answers(outcomes, expected)
+    wrong = fh.wrong_answers(outcomes, expected)
     tokens = sum(len(b["prompt"]) for b in bodies)
-    d, p = transferred(faults, before, tokens)
-    _, found = wait_idle(faults, faults.bounds["idle"])
-    record(
+    d, p = fh.transferred(faults, before, tokens)
+    _, found = fh.wait_idle(faults, faults.bounds["idle"])
+    fh.record(
         "load: 64 concurrent, 8 prompt lengths 5-300",
         64,
         len(failures) + len(wrong),

@@ -15,22 +15,7 @@ from pathlib import Path
 
 import requests
 
-from faults_helpers import (
-    GENERATED,
-    PROMPT_TOKENS,
-    RUN_DIR,
-    FaultStack,
-    counters,
-    post,
-    progress,
-    record,
-    references,
-    require_owned,
-    serves_exactly,
-    settings,
-    transferred,
-    wait_idle,
-)
+import faults_helpers as fh
 from pdstack import metrics as m
 from pdstack import twin, wait
 from pdstack.client import greedy
@@ -41,10 +26,10 @@ pytest_plugins = ["faults_stack"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_client_disconnects_in_the_middle_of_a_stream(faults: FaultStack) -> None:
+def test_client_disconnects_in_the_middle_of_a_stream(faults: fh.FaultStack) -> None:
     max_tokens = 1000
     body = greedy(faults.prompt(40, salt=3000), max_tokens)
-    before = counters(faults)
+    before = fh.counters(faults)
     start = time.monotonic()
     url = f"{faults.router}/v1/completions"
     stream = {**body, "stream": True}
@@ -58,9 +43,11 @@ def test_client_disconnects_in_the_middle_of_a_stream(faults: FaultStack) -> Non
                 break
     left_at = time.monotonic()
     secs = left_at - start
-    waited, found = wait_idle(faults, faults.bounds["idle"])
-    generated = (m.scrape(faults.decode) - before["decode"]).total(GENERATED)
-    record("client leaves a stream after 3 chunks", 1, int(status != 200), secs, found)
+    waited, found = fh.wait_idle(faults, faults.bounds["idle"])
+    generated = (m.scrape(faults.decode) - before["decode"]).total(fh.GENERATED)
+    fh.record(
+        "client leaves a stream after 3 chunks", 1, int(status != 200), secs, found
+    )
     print(
         f"stream: HTTP {status}, {read} chunks, left after {secs:.2f}s; decode "
         f"idle {waited:.1f}s later, generated {generated:.0f}/{max_tokens} tokens"
@@ -69,7 +56,7 @@ def test_client_disconnects_in_the_middle_of_a_stream(faults: FaultStack) -> Non
     # Decode stopped: it did not generate the whole answer for nobody.
     assert generated < max_tokens / 2
     assert found == {}, f"{found} {time.monotonic() - left_at:.0f}s after leaving"
-    serves_exactly(faults, salt=3001)
+    fh.serves_exactly(faults, salt=3001)
 
 
 def _answered(snapshot: m.Snapshot) -> float:
@@ -81,7 +68,7 @@ def _answered(snapshot: m.Snapshot) -> float:
 CONNECTOR_QUERIES = "vllm:external_prefix_cache_queries_total"
 
 
-def test_client_leaves_before_the_first_token(faults: FaultStack) -> None:
+def test_client_leaves_before_the_first_token(faults: fh.FaultStack) -> None:
     """Gone during the prefill leg: nothing may wait for a transfer.
 
     The client sends a prompt prefill needs seconds for (3000 tokens: about
@@ -98,7 +85,7 @@ def test_client_leaves_before_the_first_token(faults: FaultStack) -> None:
     prompt = faults.prompt(3000, salt=3010)
     body = json.dumps(greedy(prompt, 200)).encode()
     host, port = faults.router.removeprefix("http://").rsplit(":", 1)
-    before = counters(faults)
+    before = fh.counters(faults)
     start = time.monotonic()
     with socket.create_connection((host, int(port)), timeout=10) as conn:
         conn.sendall(
@@ -110,7 +97,7 @@ def test_client_leaves_before_the_first_token(faults: FaultStack) -> None:
         d_left = m.scrape(faults.decode) - before["decode"]
         p_left = m.scrape(faults.prefill) - before["prefill"]
     left_after = time.monotonic() - start
-    waited, found = wait_idle(faults, faults.bounds["idle"] + 30)
+    waited, found = fh.wait_idle(faults, faults.bounds["idle"] + 30)
     d = m.scrape(faults.decode) - before["decode"]
     p = m.settle(
         faults.prefill,
@@ -121,15 +108,15 @@ def test_client_leaves_before_the_first_token(faults: FaultStack) -> None:
         "prefill had answered when the client left": _answered(p_left),
         "decode had the request when the client left": _answered(d_left)
         + d_left.total(CONNECTOR_QUERIES)
-        + d_left.total(GENERATED),
+        + d_left.total(fh.GENERATED),
         "prefill never had the request (the client left too early)": (
             p.total(CONNECTOR_QUERIES) != len(prompt)
         ),
-        "decode generated the whole answer for nobody": d.total(GENERATED) >= 200,
+        "decode generated the whole answer for nobody": d.total(fh.GENERATED) >= 200,
         "not back to idle": bool(found),
     }
     problems = {k: v for k, v in problems.items() if v}
-    record(
+    fh.record(
         "client leaves during the prefill leg",
         1,
         int(bool(problems)),
@@ -137,23 +124,23 @@ def test_client_leaves_before_the_first_token(faults: FaultStack) -> None:
         found,
         f"left during prefill after {left_after:.2f}s: prefill's scheduler had "
         f"{p.total(CONNECTOR_QUERIES):.0f}/{len(prompt)} prompt tokens, idle after "
-        f"{waited:.1f}s; decode saw {d.total(PROMPT_TOKENS):.0f} prompt tokens, "
-        f"generated {d.total(GENERATED):.0f}",
+        f"{waited:.1f}s; decode saw {d.total(fh.PROMPT_TOKENS):.0f} prompt tokens, "
+        f"generated {d.total(fh.GENERATED):.0f}",
     )
     assert problems == {}, found
-    serves_exactly(faults, salt=3011)
+    fh.serves_exactly(faults, salt=3011)
 
 
 @contextlib.contextmanager
 def route(
-    stack: FaultStack, key_file: Path, name: str, *args: str
+    stack: fh.FaultStack, key_file: Path, name: str, *args: str
 ) -> Iterator[tuple[Processes, str, str]]:
     """``pdstack.route`` in front of ``stack``'s prefill and decode with the
     key in ``key_file``, on the fault stack's router ports moved (faults.yaml's
     api_key_router_offsets), log ``RUN_DIR/<name>.log``, stopped with its
     whole process group at the end. Its own state file: the fault stack's is
     the twin's. Yields its processes, its URL and vllm-router's behind it."""
-    offsets = settings()["api_key_router_offsets"]
+    offsets = fh.settings()["api_key_router_offsets"]
     router_port = int(stack.env["ROUTER_PORT"])
     metrics_port = int(stack.env["ROUTER_METRICS_PORT"])
     env = {
@@ -166,7 +153,7 @@ def route(
         "ROUTER_METRICS_PORT": str(metrics_port + offsets["ROUTER_METRICS_PORT"]),
         "ROUTER_API_KEY_FILE": str(key_file),
     }
-    procs = Processes(RUN_DIR, f"{name}.json", progress)
+    procs = Processes(fh.RUN_DIR, f"{name}.json", fh.progress)
     argv = [sys.executable, "-m", "pdstack.route", *args]
     # pdstack from this checkout, wherever pytest was started.
     path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
@@ -181,30 +168,30 @@ def route(
 
 
 def test_router_with_an_api_key_refuses_requests_without_it(
-    faults: FaultStack, tmp_path: Path
+    faults: fh.FaultStack, tmp_path: Path
 ) -> None:
-    require_owned(faults, "starts a router of its own next to prefill and decode")
+    fh.require_owned(faults, "starts a router of its own next to prefill and decode")
     key = "pd-" + os.urandom(12).hex()
     key_file = tmp_path / "api_key"
     key_file.write_text(key + "\n")
     body = greedy(faults.prompt(24, salt=3500), 6)
-    (expected,) = references(faults, [body])
+    (expected,) = fh.references(faults, [body])
     name = "router-api-key"
     with route(faults, key_file, name) as (procs, url, inner):
         log, proc = procs.log(name), procs.popen[name]
-        wait.until_healthy("api-key router", url, 60, proc, log, progress)
-        wait.until_healthy("vllm-router behind it", inner, 60, None, log, progress)
+        wait.until_healthy("api-key router", url, 60, proc, log, fh.progress)
+        wait.until_healthy("vllm-router behind it", inner, 60, None, log, fh.progress)
         outcomes = {
-            "no key": post(url, body, timeout=60),
-            "wrong key": post(url, body, headers={"Authorization": "Bearer no"}),
-            "key": post(url, body, headers={"Authorization": f"Bearer {key}"}),
+            "no key": fh.post(url, body, timeout=60),
+            "wrong key": fh.post(url, body, headers={"Authorization": "Bearer no"}),
+            "key": fh.post(url, body, headers={"Authorization": f"Bearer {key}"}),
         }
         health = requests.get(f"{url}/health", timeout=10).status_code
         group = procs.records()[name].members()
         cmdlines = [" ".join(p.cmdline()) for p in group]
     logged = log.read_text(errors="replace")
     statuses = {kind: o.status for kind, o in outcomes.items()}
-    record(
+    fh.record(
         "API key: none / wrong / right",
         3,
         int(statuses != {"no key": 401, "wrong key": 401, "key": 200}),
@@ -220,23 +207,23 @@ def test_router_with_an_api_key_refuses_requests_without_it(
 
 
 def test_negative_control_vllm_router_alone_serves_without_the_key(
-    faults: FaultStack, tmp_path: Path
+    faults: fh.FaultStack, tmp_path: Path
 ) -> None:
     """vllm-router 0.1.17 with --api-key (pdstack.route's backend: the key
     handed over in-process) serves a client that has no key: the reason for
     pdstack.route's proxy."""
-    require_owned(faults, "starts a router of its own next to prefill and decode")
+    fh.require_owned(faults, "starts a router of its own next to prefill and decode")
     key_file = tmp_path / "api_key"
     key_file.write_text("pd-" + os.urandom(12).hex())
     body = greedy(faults.prompt(12, salt=3510), 2)
-    (expected,) = references(faults, [body])
+    (expected,) = fh.references(faults, [body])
     name = "router-backend-only"
     with route(faults, key_file, name, "--backend") as (procs, _, inner):
         proc, log = procs.popen[name], procs.log(name)
-        wait.until_healthy("vllm-router --api-key", inner, 60, proc, log, progress)
-        before = counters(faults)
-        got = post(inner, body, timeout=60)
-        d, p = transferred(faults, before, len(body["prompt"]))
+        wait.until_healthy("vllm-router --api-key", inner, 60, proc, log, fh.progress)
+        before = fh.counters(faults)
+        got = fh.post(inner, body, timeout=60)
+        d, p = fh.transferred(faults, before, len(body["prompt"]))
     print(
         f"vllm-router alone, no key presented: HTTP {got.status}, tokens "
         f"{got.token_ids} (reference {expected}); prefill transfers "

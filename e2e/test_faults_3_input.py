@@ -10,52 +10,41 @@ from typing import Any
 
 import pytest
 
-from faults_helpers import (
-    PROMPT_TOKENS,
-    FaultStack,
-    abort_timeout,
-    counters,
-    post,
-    post_all,
-    record,
-    references,
-    serves_exactly,
-    transferred,
-    wait_idle,
-    wrong_answers,
-)
+import faults_helpers as fh
 from pdstack import metrics as m
 from pdstack.client import greedy
 
 pytest_plugins = ["faults_stack"]
 
 
-def test_first_token_ends_the_sequence(faults: FaultStack) -> None:
+def test_first_token_ends_the_sequence(faults: fh.FaultStack) -> None:
     """The prefill leg's only token is a stop token (the tiny model never
     samples EOS, and logit_bias is refused with speculative decoding: stop on
     the greedy first token instead). Also max_tokens 1, and min_tokens, which
     vllm-router clamps to 1 on the prefill leg."""
     prompt = faults.prompt(30, salt=3100)
-    (first,) = references(faults, [greedy(prompt, 1)])
+    (first,) = fh.references(faults, [greedy(prompt, 1)])
     stop: dict[str, Any] = {"ignore_eos": False, "stop_token_ids": [first[0]]}
     bodies = {
         "stop on token 1": greedy(prompt, 16, **stop),
         "max_tokens 1": greedy(prompt, 1),
         "min_tokens 3 over the stop": greedy(prompt, 8, **stop, min_tokens=3),
     }
-    expected = dict(zip(bodies, references(faults, list(bodies.values())), strict=True))
-    before = counters(faults)
-    got = {name: post(faults.router, b, timeout=30) for name, b in bodies.items()}
+    expected = dict(
+        zip(bodies, fh.references(faults, list(bodies.values())), strict=True)
+    )
+    before = fh.counters(faults)
+    got = {name: fh.post(faults.router, b, timeout=30) for name, b in bodies.items()}
     m.settle(
         faults.decode,
         before["decode"],
         lambda d: d.total(m.EXTERNAL_HITS) >= 3 * len(prompt),
     )
     p = m.scrape(faults.prefill) - before["prefill"]
-    _, found = wait_idle(faults, faults.bounds["idle"])
+    _, found = fh.wait_idle(faults, faults.bounds["idle"])
     slowest = max(o.seconds for o in got.values())
     reasons = {n: o.json()["choices"][0]["finish_reason"] for n, o in got.items()}
-    record(
+    fh.record(
         "first token ends the sequence (stop, max_tokens 1, min_tokens)",
         3,
         sum(o.status != 200 for o in got.values()),
@@ -70,7 +59,7 @@ def test_first_token_ends_the_sequence(faults: FaultStack) -> None:
     assert got["stop on token 1"].token_ids in ([], [first[0]])
     # Bounded by the transfer (a stalled one sent again included: 11 s seen
     # in CI), not by prefill's abort timeout.
-    assert slowest < abort_timeout(faults) / 2
+    assert slowest < fh.abort_timeout(faults) / 2
     assert p.total(m.EXPIRED) == 0
     assert found == {}
 
@@ -118,16 +107,16 @@ BAD_INPUT_NAMES = list(bad_inputs(lambda length, salt: []))
 
 @pytest.mark.parametrize("bad_input", BAD_INPUT_NAMES)
 def test_bad_input_gets_a_clear_4xx_and_leaves_nothing(
-    faults: FaultStack, bad_input: str
+    faults: fh.FaultStack, bad_input: str
 ) -> None:
     bad = bad_inputs(faults.prompt)[bad_input]
-    before = counters(faults)
-    got = post(faults.router, bad, timeout=60)
+    before = fh.counters(faults)
+    got = fh.post(faults.router, bad, timeout=60)
     # Freed by decode's rejection notice (or never allocated), not by
     # prefill's abort timeout: well under it.
-    waited, found = wait_idle(faults, faults.bounds["idle"])
+    waited, found = fh.wait_idle(faults, faults.bounds["idle"])
     p = m.scrape(faults.prefill) - before["prefill"]
-    record(
+    fh.record(
         f"bad input: {bad_input}",
         1,
         int(not 400 <= (got.status or 0) < 500),
@@ -141,12 +130,12 @@ def test_bad_input_gets_a_clear_4xx_and_leaves_nothing(
     assert found == {}, f"after {waited:.0f}s"
 
 
-def test_the_stack_still_serves_after_bad_input(faults: FaultStack) -> None:
-    serves_exactly(faults, salt=3299)
+def test_the_stack_still_serves_after_bad_input(faults: fh.FaultStack) -> None:
+    fh.serves_exactly(faults, salt=3299)
 
 
 def test_n_children_share_one_transfer_without_stranding_blocks(
-    faults: FaultStack,
+    faults: fh.FaultStack,
 ) -> None:
     """n > 1 through the router: the n children of both legs share the API
     request's transfer id. Upstream strands all but one child's blocks on
@@ -159,12 +148,12 @@ def test_n_children_share_one_transfer_without_stranding_blocks(
         "temperature": 1.0,
         "seed": 7,
     }
-    before = counters(faults)
-    got = post(faults.router, body, timeout=faults.bounds["request"])
-    waited, found = wait_idle(faults, faults.bounds["idle"])
+    before = fh.counters(faults)
+    got = fh.post(faults.router, body, timeout=faults.bounds["request"])
+    waited, found = fh.wait_idle(faults, faults.bounds["idle"])
     p = m.scrape(faults.prefill) - before["prefill"]
     choices = len(got.json()["choices"]) if got.status == 200 else 0
-    record(
+    fh.record(
         "n=4 sampling (each child its own transfer id)",
         1,
         int(got.status != 200),
@@ -177,7 +166,7 @@ def test_n_children_share_one_transfer_without_stranding_blocks(
     assert choices == 4
     assert p.total(m.EXPIRED) == 0
     assert found == {}
-    serves_exactly(faults, salt=3301)
+    fh.serves_exactly(faults, salt=3301)
 
 
 CLIENT_PARAMS = {
@@ -191,7 +180,7 @@ CLIENT_PARAMS = {
 
 
 def test_client_kv_transfer_params_cannot_steer_the_transfer(
-    faults: FaultStack,
+    faults: fh.FaultStack,
 ) -> None:
     """vllm-router builds both legs' kv_transfer_params itself (a fresh
     transfer id per request): eight requests carrying the same client params
@@ -199,18 +188,18 @@ def test_client_kv_transfer_params_cannot_steer_the_transfer(
     real prefill and exact; with a shared id they could not all be."""
     prompts = [faults.prompt(25 + 9 * i, salt=3400 + i) for i in range(8)]
     plain = [greedy(p, 8) for p in prompts]
-    expected = references(faults, plain)
-    before = counters(faults)
+    expected = fh.references(faults, plain)
+    before = fh.counters(faults)
     steered = [{**b, "kv_transfer_params": CLIENT_PARAMS} for b in plain]
-    got = post_all(faults.router, steered, faults.bounds["request"])
+    got = fh.post_all(faults.router, steered, faults.bounds["request"])
     tokens = sum(len(p) for p in prompts)
-    d, p = transferred(faults, before, tokens)
-    _, found = wait_idle(faults, faults.bounds["idle"])
+    d, p = fh.transferred(faults, before, tokens)
+    _, found = fh.wait_idle(faults, faults.bounds["idle"])
     sources = d.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
-    record(
+    fh.record(
         "client kv_transfer_params (one reused id, transfer off)",
         8,
-        sum(g.status != 200 for g in got) + len(wrong_answers(got, expected)),
+        sum(g.status != 200 for g in got) + len(fh.wrong_answers(got, expected)),
         max(g.seconds for g in got),
         found,
         f"client params: transfers {p.total(m.TRANSFERS):.0f}, "
@@ -226,7 +215,7 @@ def test_client_kv_transfer_params_cannot_steer_the_transfer(
 
 
 def test_negative_control_decode_obeys_params_sent_to_it_directly(
-    faults: FaultStack,
+    faults: fh.FaultStack,
 ) -> None:
     """The same kind of params sent straight to decode do steer it (here to a
     bootstrap server that does not exist): only the router stands between
@@ -234,15 +223,15 @@ def test_negative_control_decode_obeys_params_sent_to_it_directly(
     the client network (compose: unpublished; tests/test_compose.py)."""
     body = greedy(faults.prompt(20, salt=3450), 4)
     steer = {**CLIENT_PARAMS, "do_remote_prefill": True}
-    before = counters(faults)
-    got = post(faults.decode, {**body, "kv_transfer_params": steer}, timeout=60)
+    before = fh.counters(faults)
+    got = fh.post(faults.decode, {**body, "kv_transfer_params": steer}, timeout=60)
     # Decode obeyed: it took the prompt as prefill's (all of it an external
     # hit), tried to pull it from the bogus bootstrap and counted the failed
     # receive; the real prefill was never asked for anything. Decode's notice
     # of the failed request (a pull with no blocks, to the same bogus
     # address) sometimes fails and counts too: 1 or 2.
     m.settle(faults.decode, before["decode"], lambda d: d.total(m.FAILED_RECVS))
-    _, found = wait_idle(faults, faults.bounds["idle"])
+    _, found = fh.wait_idle(faults, faults.bounds["idle"])
     d = m.settle(
         faults.decode,
         before["decode"],
@@ -254,11 +243,11 @@ def test_negative_control_decode_obeys_params_sent_to_it_directly(
         f"direct to decode with a bogus bootstrap: HTTP {got.status} in "
         f"{got.seconds:.2f}s; decode failed receives "
         f"{d.total(m.FAILED_RECVS):.0f}, prefill prompt tokens "
-        f"{p.total(PROMPT_TOKENS):.0f}"
+        f"{p.total(fh.PROMPT_TOKENS):.0f}"
     )
     assert 1 <= d.total(m.FAILED_RECVS) <= 2
     assert d.total(m.EXTERNAL_HITS) == len(body["prompt"])
-    assert p.total(PROMPT_TOKENS) == 0 and p.total(m.TRANSFERS) == 0
+    assert p.total(fh.PROMPT_TOKENS) == 0 and p.total(m.TRANSFERS) == 0
     assert got.status is not None and got.status >= 400, got.body[:300]
     assert found == {}
-    serves_exactly(faults, salt=3451)
+    fh.serves_exactly(faults, salt=3451)

@@ -13,24 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from unittest import mock
 
-from faults_helpers import (
-    PROMPT_TOKENS,
-    RUN_DIR,
-    WAITING,
-    FaultStack,
-    Outcome,
-    abort_timeout,
-    counters,
-    engine_ids,
-    post,
-    progress,
-    record,
-    references,
-    require_owned,
-    state,
-    transferred,
-    wait_idle,
-)
+import faults_helpers as fh
 from pdstack import metrics as m
 from pdstack import twin, wait
 from pdstack.client import greedy
@@ -39,13 +22,13 @@ pytest_plugins = ["faults_stack"]
 
 
 def _first_success(
-    stack: FaultStack, body: dict[str, Any], deadline_s: float
-) -> tuple[Outcome, float, list[int | None]]:
+    stack: fh.FaultStack, body: dict[str, Any], deadline_s: float
+) -> tuple[fh.Outcome, float, list[int | None]]:
     """The same request again and again until a 200 or the deadline."""
     seen: list[int | None] = []
 
-    def attempt() -> Outcome:
-        got = post(stack.router, body, timeout=stack.bounds["request"])
+    def attempt() -> fh.Outcome:
+        got = fh.post(stack.router, body, timeout=stack.bounds["request"])
         seen.append(got.status)
         return got
 
@@ -55,44 +38,44 @@ def _first_success(
     return got, took, seen
 
 
-def _restart(stack: FaultStack, role: str) -> tuple[float, dict[str, int]]:
+def _restart(stack: fh.FaultStack, role: str) -> tuple[float, dict[str, int]]:
     """Start ``role`` again (as compose's `restart:` or Kubernetes would)."""
     with mock.patch.dict(os.environ, stack.env):
         took = twin.start_role(
-            role, RUN_DIR, env=stack.role_env[role], progress=progress
+            role, fh.RUN_DIR, env=stack.role_env[role], progress=fh.progress
         )
-        return took, twin.running(RUN_DIR)
+        return took, twin.running(fh.RUN_DIR)
 
 
 def _kill_in_flight(
-    stack: FaultStack,
+    stack: fh.FaultStack,
     bodies: list,
     role: str,
     busy: Callable[[m.Snapshot], bool],
     what: str,
     late: Sequence[dict[str, Any]] = (),
-) -> tuple[list[tuple[Outcome, float]], float, m.Snapshot]:
+) -> tuple[list[tuple[fh.Outcome, float]], float, m.Snapshot]:
     """Send ``bodies`` through the router, SIGKILL ``role`` once ``busy`` (at
     most 120 s), then send ``late``: each result (outcome, time it ended), the
     time of the kill and prefill's counters from before the requests (what
     both cases measure prefill against; ``busy`` is given them)."""
     before = m.scrape(stack.prefill)
 
-    def one(body: dict[str, Any]) -> tuple[Outcome, float]:
-        return post(stack.router, body, timeout=300), time.monotonic()
+    def one(body: dict[str, Any]) -> tuple[fh.Outcome, float]:
+        return fh.post(stack.router, body, timeout=300), time.monotonic()
 
     with ThreadPoolExecutor(max_workers=len(bodies) + len(late)) as pool:
         futures = [pool.submit(one, body) for body in bodies]
         wait.poll(lambda: busy(before), bool, 120, what, interval_s=0.2)
-        twin.kill(role, RUN_DIR, progress=progress)
+        twin.kill(role, fh.RUN_DIR, progress=fh.progress)
         killed_at = time.monotonic()
         futures += [pool.submit(one, body) for body in late]
         return [f.result() for f in futures], killed_at, before
 
 
-def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
-    require_owned(faults, "kills and restarts decode")
-    pids = twin.running(RUN_DIR)
+def test_decode_killed_with_requests_in_flight(faults: fh.FaultStack) -> None:
+    fh.require_owned(faults, "kills and restarts decode")
+    pids = twin.running(fh.RUN_DIR)
     bodies = [greedy(faults.prompt(30 + 7 * i, salt=4000 + i), 300) for i in range(8)]
     late = [greedy(faults.prompt(45 + 5 * i, salt=4100 + i), 8) for i in range(4)]
     # The late ones before the router notices: the prefill leg runs, the
@@ -101,7 +84,7 @@ def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
         faults,
         bodies,
         "decode",
-        lambda _: state(faults, ("decode",))["decode_requests"] >= 4,
+        lambda _: fh.state(faults, ("decode",))["decode_requests"] >= 4,
         "4 requests on decode",
         late,
     )
@@ -113,8 +96,8 @@ def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
     with ThreadPoolExecutor(max_workers=1) as supervisor:
         restart = supervisor.submit(_restart, faults, "decode")
         # Decode may be dead: prefill's part of idle only.
-        freed_in, found = wait_idle(
-            faults, abort_timeout(faults) + faults.bounds["idle"], ("prefill",)
+        freed_in, found = fh.wait_idle(
+            faults, fh.abort_timeout(faults) + faults.bounds["idle"], ("prefill",)
         )
         restart_s, after = restart.result()
     expired = (m.scrape(faults.prefill) - before).total(m.EXPIRED)
@@ -134,10 +117,10 @@ def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
     assert held > faults.idle["prefill_kv_usage"] and expired >= 1
     assert found == {}, f"prefill kept blocks: {found}"
     body = greedy(faults.prompt(33, salt=4200), 8)
-    (expected,) = references(faults, [body])
+    (expected,) = fh.references(faults, [body])
     got, recovered_s, seen = _first_success(faults, body, faults.bounds["recovery"])
-    _, found_after = wait_idle(faults, faults.bounds["idle"])
-    record(
+    _, found_after = fh.wait_idle(faults, faults.bounds["idle"])
+    fh.record(
         "decode killed with 8 in flight (+4 while dead)",
         len(results),
         sum(s is None or s < 500 for s in statuses),
@@ -153,10 +136,10 @@ def test_decode_killed_with_requests_in_flight(faults: FaultStack) -> None:
     assert found_after == {}
 
 
-def test_prefill_killed_with_requests_in_flight(faults: FaultStack) -> None:
-    require_owned(faults, "kills and restarts prefill")
-    pids = twin.running(RUN_DIR)
-    ids_before = engine_ids(faults.bootstrap)
+def test_prefill_killed_with_requests_in_flight(faults: fh.FaultStack) -> None:
+    fh.require_owned(faults, "kills and restarts prefill")
+    pids = twin.running(fh.RUN_DIR)
+    ids_before = fh.engine_ids(faults.bootstrap)
     # Long prompts: prefill is busy for seconds, some transfers are under way.
     bodies = [greedy(faults.prompt(600 + 40 * i, salt=4300 + i), 16) for i in range(12)]
     results, killed_at, _ = _kill_in_flight(
@@ -166,11 +149,11 @@ def test_prefill_killed_with_requests_in_flight(faults: FaultStack) -> None:
         lambda started: _prefill_at_work(faults.prefill, started),
         "prefill at work on the prompts",
     )
-    while_dead = post(faults.router, greedy(faults.prompt(20, salt=4399), 4))
+    while_dead = fh.post(faults.router, greedy(faults.prompt(20, salt=4399), 4))
     statuses = [o.status for o, _ in results]
     after_kill = sorted(round(end - killed_at, 1) for _, end in results)
     # Decode must not keep waiting for KV from the dead prefill.
-    d_waited, d_found = wait_idle(
+    d_waited, d_found = fh.wait_idle(
         faults, faults.bounds["error_after_kill"], ("decode",)
     )
     assert d_found == {}, f"decode not idle {d_waited:.0f}s after the kill: {d_found}"
@@ -184,14 +167,14 @@ def test_prefill_killed_with_requests_in_flight(faults: FaultStack) -> None:
     assert while_dead.status is not None and while_dead.status >= 500
     assert while_dead.seconds < 10
     restart_s, after = _restart(faults, "prefill")
-    ids_after = engine_ids(faults.bootstrap)
+    ids_after = fh.engine_ids(faults.bootstrap)
     body = greedy(faults.prompt(33, salt=4400), 8)
-    (expected,) = references(faults, [body])
-    before = counters(faults)
+    (expected,) = fh.references(faults, [body])
+    before = fh.counters(faults)
     got, recovered_s, seen = _first_success(faults, body, faults.bounds["recovery"])
-    d, p = transferred(faults, before, len(body["prompt"]))
-    _, found = wait_idle(faults, faults.bounds["idle"])
-    record(
+    d, p = fh.transferred(faults, before, len(body["prompt"]))
+    _, found = fh.wait_idle(faults, faults.bounds["idle"])
+    fh.record(
         "prefill killed with 12 in flight (+1 while dead)",
         len(results) + 1,
         sum(s is None for s in statuses),
@@ -223,5 +206,5 @@ def _prefill_at_work(url: str, before: m.Snapshot) -> bool:
     (transfers, decode).
     """
     snapshot = m.scrape(url)
-    busy = snapshot.total(m.RUNNING) + snapshot.total(WAITING)
-    return busy >= 1 or (snapshot - before).total(PROMPT_TOKENS) > 0
+    busy = snapshot.total(m.RUNNING) + snapshot.total(fh.WAITING)
+    return busy >= 1 or (snapshot - before).total(fh.PROMPT_TOKENS) > 0

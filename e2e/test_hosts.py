@@ -15,65 +15,47 @@ import re
 import time
 from collections.abc import Iterator
 
+import hosts_helpers as hh
 import pytest
-from hosts_helpers import (
-    RUN_DIR,
-    Hosts,
-    counters,
-    decode_that_pulled_from,
-    deltas,
-    direct_pull_seconds,
-    in_flight_while,
-    progress,
-    wait_idle,
-)
 
-from faults_helpers import (
-    KV_FETCH,
-    abort_timeout,
-    post,
-    references,
-    settings,
-    stack_settings,
-    wrong_answers,
-)
+import faults_helpers as fh
 from pdstack import hosts, wait
 from pdstack import metrics as m
 from pdstack.client import greedy
 
 
 @pytest.fixture(scope="module")
-def h(request: pytest.FixtureRequest) -> Iterator[Hosts]:
+def h(request: pytest.FixtureRequest) -> Iterator[hh.Hosts]:
     if request.config.getoption("router_url"):
         pytest.skip("the multi-host twin runs only where this suite starts stacks")
-    bounds, launch = stack_settings(settings())
-    twin = hosts.HostsTwin(run_dir=RUN_DIR, progress=progress, **launch)
+    bounds, launch = fh.stack_settings(fh.settings())
+    twin = hosts.HostsTwin(run_dir=hh.RUN_DIR, progress=hh.progress, **launch)
     try:
         twin.up()
     except wait.WaitError as exc:
         pytest.fail(str(exc))
     try:
-        stack = Hosts(twin, bounds, {})
+        stack = hh.Hosts(twin, bounds, {})
         stack.idle = stack.state()
         yield stack
     finally:
         twin.down()
 
 
-def test_xpyd_every_replica_serves_exact_answers(h: Hosts) -> None:
+def test_xpyd_every_replica_serves_exact_answers(h: hh.Hosts) -> None:
     """8 requests through the router, one at a time: each equal to the
     colocated reference, both prefills and both decodes served, one transfer
     per request on the prefills, nothing left behind."""
     bodies = [
         greedy(h.reference.prompt(40 + 7 * i, salt=6000 + i), 6) for i in range(8)
     ]
-    expected = references(h.reference, bodies)
-    before = counters(h)
-    got = [post(h.twin.router, b, timeout=h.bounds["request"]) for b in bodies]
+    expected = fh.references(h.reference, bodies)
+    before = hh.counters(h)
+    got = [fh.post(h.twin.router, b, timeout=h.bounds["request"]) for b in bodies]
     tokens = sum(len(b["prompt"]) for b in bodies)
     # Prefill counts a send after decode has the KV: settle both sides.
     after = wait.poll_last(
-        lambda: deltas(h, before),
+        lambda: hh.deltas(h, before),
         lambda d: (
             sum(d[n].total(m.EXTERNAL_HITS) for n in h.twin.servers("decode")) >= tokens
             and sum(d[n].total(m.TRANSFERS) for n in h.twin.servers("prefill"))
@@ -84,7 +66,7 @@ def test_xpyd_every_replica_serves_exact_answers(h: Hosts) -> None:
     )[1]
     transfers = {n: after[n].total(m.TRANSFERS) for n in h.twin.servers("prefill")}
     loaded = {n: after[n].total(m.EXTERNAL_HITS) for n in h.twin.servers("decode")}
-    leaks = wait_idle(h)
+    leaks = hh.wait_idle(h)
     print(f"xPyD: transfers per prefill {transfers}, tokens loaded per decode {loaded}")
     assert [g.status for g in got] == [200] * len(bodies), [g.body[:200] for g in got]
     assert [g.token_ids for g in got] == expected
@@ -95,7 +77,7 @@ def test_xpyd_every_replica_serves_exact_answers(h: Hosts) -> None:
     assert leaks == {}
 
 
-def serves_exactly_on_every_replica(h: Hosts, salt: int) -> float:
+def serves_exactly_on_every_replica(h: hh.Hosts, salt: int) -> float:
     """Requests through the router until every prefill and decode has served
     one exactly (the recovery bound); returns the seconds that took."""
     start = time.monotonic()
@@ -103,15 +85,15 @@ def serves_exactly_on_every_replica(h: Hosts, salt: int) -> float:
     i = 0
     while time.monotonic() - start < h.bounds["recovery"]:
         body = greedy(h.reference.prompt(33, salt=salt + i), 4)
-        (expected,) = references(h.reference, [body])
-        before = counters(h)
-        got = post(h.twin.router, body, timeout=h.bounds["request"])
+        (expected,) = fh.references(h.reference, [body])
+        before = hh.counters(h)
+        got = fh.post(h.twin.router, body, timeout=h.bounds["request"])
         i += 1
         if got.status != 200:
             time.sleep(1)
             continue
         assert got.token_ids == expected
-        after = deltas(h, before)
+        after = hh.deltas(h, before)
         served |= {n for n, d in after.items() if d.total(m.TRANSFERS) >= 1}
         served |= {n for n, d in after.items() if d.total(m.EXTERNAL_HITS) >= 1}
         if served >= set(h.all_servers()):
@@ -121,23 +103,23 @@ def serves_exactly_on_every_replica(h: Hosts, salt: int) -> float:
     )
 
 
-def exact_streak(h: Hosts, salt: int) -> tuple[int, float, list[int | None]]:
+def exact_streak(h: hh.Hosts, salt: int) -> tuple[int, float, list[int | None]]:
     """One request through the router again and again until four answers in
     a row equal the reference (or the recovery bound): the streak, the
     seconds that took and every status on the way."""
     body = greedy(h.reference.prompt(30, salt=salt), 4)
-    (expected,) = references(h.reference, [body])
+    (expected,) = fh.references(h.reference, [body])
     start = time.monotonic()
     statuses: list[int | None] = []
     streak = 0
     while streak < 4 and time.monotonic() - start < h.bounds["recovery"]:
-        got = post(h.twin.router, body, timeout=h.bounds["request"])
+        got = fh.post(h.twin.router, body, timeout=h.bounds["request"])
         statuses.append(got.status)
         streak = streak + 1 if got.status == 200 and got.token_ids == expected else 0
     return streak, time.monotonic() - start, statuses
 
 
-def test_a_prefill_recreated_at_a_new_address_serves_again(h: Hosts) -> None:
+def test_a_prefill_recreated_at_a_new_address_serves_again(h: hh.Hosts) -> None:
     """A rescheduled pod: prefill-0 killed, back on a new IP under the same
     name and engine id. Without restarting decode or the router, requests
     succeed again on every replica within the recovery bound."""
@@ -147,7 +129,7 @@ def test_a_prefill_recreated_at_a_new_address_serves_again(h: Hosts) -> None:
     took = h.twin.recreate("prefill-0")
     new = h.twin.net["prefill-0"].address
     recovered_s = serves_exactly_on_every_replica(h, salt=6100)
-    leaks = wait_idle(h)
+    leaks = hh.wait_idle(h)
     print(
         f"prefill-0 {old} -> {new}: healthy after {took:.0f}s, every replica "
         f"served exactly {recovered_s:.1f}s later"
@@ -156,25 +138,25 @@ def test_a_prefill_recreated_at_a_new_address_serves_again(h: Hosts) -> None:
     assert leaks == {}
 
 
-def test_a_partitioned_prefill_host_heals(h: Hosts) -> None:
+def test_a_partitioned_prefill_host_heals(h: hh.Hosts) -> None:
     """prefill-1's link down while requests are on their way, up again 6 s
     later: every client gets a terminal answer within the bound (an exact
     answer or an error, never a wrong one), and after the heal every
     replica serves exactly and nothing is left behind."""
     bodies = [greedy(h.reference.prompt(600, salt=6200 + i), 8) for i in range(8)]
-    expected = references(h.reference, bodies)
+    expected = fh.references(h.reference, bodies)
 
     def partition() -> None:
         h.twin.net.link("prefill-1", False)
         time.sleep(6.0)
         h.twin.net.link("prefill-1", True)
 
-    got, _ = in_flight_while(h, bodies, partition, after_s=0.5)
+    got, _ = hh.in_flight_while(h, bodies, partition, after_s=0.5)
     statuses = [g.status for g in got]
-    wrong = wrong_answers(got, expected)
+    wrong = fh.wrong_answers(got, expected)
     slowest = max(g.seconds for g in got)
     recovered_s = serves_exactly_on_every_replica(h, salt=6300)
-    leaks = wait_idle(h)
+    leaks = hh.wait_idle(h)
     print(
         f"partition of prefill-1 for 6 s: statuses {statuses}, slowest terminal "
         f"answer {slowest:.1f}s, every replica exact again {recovered_s:.1f}s "
@@ -189,16 +171,16 @@ def test_a_partitioned_prefill_host_heals(h: Hosts) -> None:
 SHAPED_RATE = "100mbit"
 
 
-def test_a_slow_link_slows_transfers_but_keeps_them_exact(h: Hosts) -> None:
+def test_a_slow_link_slows_transfers_but_keeps_them_exact(h: hh.Hosts) -> None:
     """prefill-0's link shaped to 100 Mbit/s (token bucket, both ways): the
     transfers through it take at least what the bytes need at that rate, and
     every answer still equals the reference."""
     bodies = [greedy(h.reference.prompt(900, salt=6400 + i), 4) for i in range(4)]
-    expected = references(h.reference, bodies)
+    expected = fh.references(h.reference, bodies)
     h.twin.net.shape("prefill-0", SHAPED_RATE)
     try:
-        before = counters(h)
-        got = [post(h.twin.router, b, timeout=h.bounds["request"]) for b in bodies]
+        before = hh.counters(h)
+        got = [fh.post(h.twin.router, b, timeout=h.bounds["request"]) for b in bodies]
         p = m.settle(
             h.twin.url("prefill-0"),
             before["prefill-0"],
@@ -208,7 +190,7 @@ def test_a_slow_link_slows_transfers_but_keeps_them_exact(h: Hosts) -> None:
         h.twin.net.shape("prefill-0", None)
     moved, seconds = p.total(m.BYTES), p.total(m.TRANSFER_SECONDS)
     floor_s = moved * 8 / 100e6
-    leaks = wait_idle(h)
+    leaks = hh.wait_idle(h)
     print(
         f"shaped to {SHAPED_RATE}: prefill-0 moved {moved / 1e6:.1f} MB in "
         f"{p.total(m.TRANSFERS):.0f} transfers, {seconds:.2f}s (the link needs "
@@ -230,7 +212,7 @@ slow = pytest.mark.skipif(
 
 
 @slow
-def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(h: Hosts) -> None:
+def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(h: hh.Hosts) -> None:
     """prefill-1's link down and left down (a host gone silent: no refusal,
     no answer): decode fails a pull from it within the bound of a refusing
     host. Then prefill-1 killed (its port refuses) for comparison, and one of
@@ -238,19 +220,19 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(h: Hosts) -> No
     other one within the router's health interval."""
     # A pull from a prefill this decode has not met yet asks its bootstrap
     # server first (upstream: three tries): compare pulls from a known one.
-    decode = decode_that_pulled_from(h, "prefill-1", salt=6500)
+    decode = hh.decode_that_pulled_from(h, "prefill-1", salt=6500)
     bootstrap = "http://prefill-1:" + str(h.twin.ports.bootstrap)
     h.twin.net.link("prefill-1", False)
     try:
-        silent_status, silent_s = direct_pull_seconds(
+        silent_status, silent_s = hh.direct_pull_seconds(
             h, decode, "prefill-1", bootstrap, 6510
         )
     finally:
         h.twin.net.link("prefill-1", True)
     # Killed with 6 requests in flight through the router (half on each).
     bodies = [greedy(h.reference.prompt(500, salt=6530 + i), 4) for i in range(6)]
-    expected_each = references(h.reference, bodies)
-    in_flight, after_kill_s = in_flight_while(
+    expected_each = fh.references(h.reference, bodies)
+    in_flight, after_kill_s = hh.in_flight_while(
         h, bodies, lambda: h.twin.kill("prefill-1"), after_s=0.5
     )
     served = [
@@ -258,9 +240,9 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(h: Hosts) -> No
         for g, e in zip(in_flight, expected_each, strict=True)
         if g.status == 200 and g.token_ids == e
     ]
-    wrong = wrong_answers(in_flight, expected_each)
+    wrong = fh.wrong_answers(in_flight, expected_each)
     try:
-        dead_status, dead_s = direct_pull_seconds(
+        dead_status, dead_s = hh.direct_pull_seconds(
             h, decode, "prefill-1", bootstrap, 6511
         )
         # The router's health checks (faults.yaml: every 2 s) drop prefill-1.
@@ -268,7 +250,7 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(h: Hosts) -> No
     finally:
         h.twin.start("prefill-1", again=True)
     serves_exactly_on_every_replica(h, salt=6520)
-    leaks = wait_idle(h)
+    leaks = hh.wait_idle(h)
     print(
         f"pull from a silent prefill host: HTTP {silent_status} in {silent_s:.1f}s; "
         f"from a dead one: HTTP {dead_status} in {dead_s:.1f}s; four exact answers "
@@ -290,7 +272,7 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(h: Hosts) -> No
 
 
 @slow
-def test_one_of_two_decodes_killed(h: Hosts) -> None:
+def test_one_of_two_decodes_killed(h: hh.Hosts) -> None:
     """decode-1 killed: requests through the router succeed again on
     decode-0 within the router's health interval, and decode-1 restarted
     serves again without restarting anything else."""
@@ -302,7 +284,7 @@ def test_one_of_two_decodes_killed(h: Hosts) -> None:
     recovered_s = serves_exactly_on_every_replica(h, salt=6610)
     # A prefill leg whose decode leg met the dead decode holds its KV until
     # prefill's abort timeout, as on one host (the fault suite's decode kill).
-    leaks = wait_idle(h, deadline_s=abort_timeout(h.twin) + h.bounds["idle"])
+    leaks = hh.wait_idle(h, deadline_s=fh.abort_timeout(h.twin) + h.bounds["idle"])
     print(
         f"decode-1 killed: statuses {statuses}, four exact in a row after "
         f"{only_one_s:.1f}s; restarted, every replica exact {recovered_s:.1f}s later"
@@ -313,7 +295,7 @@ def test_one_of_two_decodes_killed(h: Hosts) -> None:
 
 @slow
 def test_a_partition_mid_transfer_lands_late_writes_in_a_held_back_span(
-    h: Hosts,
+    h: hh.Hosts,
 ) -> None:
     """prefill-1's link shaped to 50 Mbit/s (a 2000-token transfer takes
     seconds) and cut while a transfer is on its way; decode fails the pull
@@ -322,11 +304,11 @@ def test_a_partition_mid_transfer_lands_late_writes_in_a_held_back_span(
     landed 38 s after decode gave up, into blocks it had freed). Now the send
     is one staged record (pd_mooncake.staging): its descriptors can only land
     in decode's staging span, which decode holds back, never in KV blocks."""
-    decode = decode_that_pulled_from(h, "prefill-1", salt=6700)
+    decode = hh.decode_that_pulled_from(h, "prefill-1", salt=6700)
     # Round-robin: the next request goes to prefill-0, the one after to 1.
-    post(h.twin.router, greedy(h.reference.prompt(20, salt=6705), 2), timeout=60)
+    fh.post(h.twin.router, greedy(h.reference.prompt(20, salt=6705), 2), timeout=60)
     h.twin.net.shape("prefill-1", "50mbit")
-    before = counters(h)
+    before = hh.counters(h)
     body = greedy(h.reference.prompt(2000, salt=6710), 4)
     try:
 
@@ -335,7 +317,7 @@ def test_a_partition_mid_transfer_lands_late_writes_in_a_held_back_span(
             # prefill answered the router: the bytes are on their way.
             wait.poll(
                 lambda: sum(
-                    m.scrape(h.twin.url(n)).total(KV_FETCH)
+                    m.scrape(h.twin.url(n)).total(fh.KV_FETCH)
                     for n in h.twin.servers("decode")
                 ),
                 lambda fetching: fetching > 0,
@@ -346,7 +328,7 @@ def test_a_partition_mid_transfer_lands_late_writes_in_a_held_back_span(
             time.sleep(1.0)
             h.twin.net.link("prefill-1", False)
 
-        (got,), _ = in_flight_while(h, [body], cut_mid_transfer)
+        (got,), _ = hh.in_flight_while(h, [body], cut_mid_transfer)
         time.sleep(2.0)
     finally:
         h.twin.net.link("prefill-1", True)
