@@ -70,10 +70,11 @@ class VllmDraft:
         context = config.compilation_config.static_forward_context
         (self.layer_name,) = context  # the draft's single attention layer
         self.layer = context[self.layer_name]
+        kv_heads, head_dim = tm.params.DRAFT_NUM_KV_HEADS, tm.params.DRAFT_HEAD_DIM
         spec = FullAttentionSpec(
             block_size=BLOCK_SIZE,
-            num_kv_heads=tm.params.DRAFT_NUM_KV_HEADS,
-            head_size=tm.params.DRAFT_HEAD_DIM,
+            num_kv_heads=kv_heads,
+            head_size=head_dim,
             dtype=torch.float32,
         )
         builder_cls = self.layer.get_attn_backend().get_builder_cls()
@@ -81,10 +82,7 @@ class VllmDraft:
         blocks = -(-seq_len // BLOCK_SIZE)
         # CPU_ATTN's layout: [blocks, kv_heads, block_size, 2 * head_dim].
         self.layer.kv_cache = torch.zeros(
-            batch * blocks,
-            tm.params.DRAFT_NUM_KV_HEADS,
-            BLOCK_SIZE,
-            2 * tm.params.DRAFT_HEAD_DIM,
+            batch * blocks, kv_heads, BLOCK_SIZE, 2 * head_dim
         )
         self.block_table = torch.arange(batch * blocks, dtype=torch.int32)
         self.block_table = self.block_table.view(batch, blocks)
