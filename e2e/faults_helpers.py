@@ -53,11 +53,9 @@ def stack_settings(cfg: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, 
         role: {k: str(v) for k, v in values.items()}
         for role, values in cfg["env"].items()
     }
+    router_extra = config.render(cfg["router"], {})
     bounds = {k: float(v) for k, v in cfg["bounds"].items()}
-    return bounds, {
-        "role_env": role_env,
-        "router_extra": config.render(cfg["router"], {}),
-    }
+    return bounds, {"role_env": role_env, "router_extra": router_extra}
 
 
 @dataclass
