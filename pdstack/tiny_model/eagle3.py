@@ -58,13 +58,9 @@ def _draft_qkv(
     """Eagle3 midlayer input: norm(embedding) next to hidden_norm(hidden)."""
     import torch
 
-    x = torch.cat(
-        [
-            _rms_norm(embeds, w["midlayer.input_layernorm.weight"]),
-            _rms_norm(hidden, w["midlayer.hidden_norm.weight"]),
-        ],
-        dim=-1,
-    )
+    embeds = _rms_norm(embeds, w["midlayer.input_layernorm.weight"])
+    hidden = _rms_norm(hidden, w["midlayer.hidden_norm.weight"])
+    x = torch.cat([embeds, hidden], dim=-1)
     shape = (*x.shape[:-1], -1, params.DRAFT_HEAD_DIM)
     q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(shape)
     k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(shape)
