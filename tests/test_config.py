@@ -141,13 +141,8 @@ def test_env_files_follow_compose_quoting(tmp_path) -> None:
     env.write_text(
         "# comment\nA=1\nB='two words'\nC=\"x # not a comment\"\nD=3 # comment\nE=\n"
     )
-    assert config.read_env_file(env) == {
-        "A": "1",
-        "B": "two words",
-        "C": "x # not a comment",
-        "D": "3",
-        "E": "",
-    }
+    want = {"A": "1", "B": "two words", "C": "x # not a comment", "D": "3", "E": ""}
+    assert config.read_env_file(env) == want
     with pytest.raises(FileNotFoundError):
         config.read_env_file(tmp_path / "missing.env")
 

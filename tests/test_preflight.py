@@ -21,8 +21,8 @@ def tiny() -> list[preflight.Check]:
     return preflight.run(["tiny"], GPUS)
 
 
-def set_gpu_flag(configs: Path, profile: str, key: str, value: Any) -> None:
-    path = configs / "profiles" / f"{profile}.yaml"
+def set_gpu_flag(configs: Path, key: str, value: Any) -> None:
+    path = configs / "profiles" / "tiny.yaml"
     data = yaml.safe_load(path.read_text())
     data.setdefault("targets", {}).setdefault("gpu", {})[key] = value
     path.write_text(yaml.safe_dump(data))
@@ -110,7 +110,7 @@ def test_batch_invariance_is_reported_with_backends_that_support_it(
 
 def test_float32_on_gpu_is_rejected_naming_dtype(configs: Path) -> None:
     """Negative control: today's CPU dtype rendered for the GPU target."""
-    set_gpu_flag(configs, "tiny", "dtype", "float32")
+    set_gpu_flag(configs, "dtype", "float32")
     checks = preflight.run(["tiny"], GPUS)
     assert {c.status for c in checks} == {"rejected"}
     for c in checks:
@@ -125,9 +125,8 @@ def test_float32_on_gpu_is_rejected_naming_dtype(configs: Path) -> None:
 def test_a_block_size_no_kernel_takes_is_rejected_naming_block_size(
     configs: Path,
 ) -> None:
-    set_gpu_flag(configs, "tiny", "block-size", 8)
-    checks = preflight.run(["tiny"], SM90, roles=["decode"])
-    (c,) = checks
+    set_gpu_flag(configs, "block-size", 8)
+    (c,) = preflight.run(["tiny"], SM90, roles=["decode"])
     assert c.status == "rejected"
     for p in c.problems:
         assert "block_size not supported" in p
@@ -241,7 +240,7 @@ def test_serve_runs_the_preflight_before_exec_on_gpu(
     monkeypatch.setattr(preflight, "device_gpus", lambda: SM90)
     serve.main(["--role", "prefill", "--target", "gpu", "--profile", "tiny"])
     assert len(execs) == 1
-    set_gpu_flag(configs, "tiny", "dtype", "float32")
+    set_gpu_flag(configs, "dtype", "float32")
     with pytest.raises(SystemExit) as stop:
         serve.main(["--role", "prefill", "--target", "gpu", "--profile", "tiny"])
     assert stop.value.code == 2 and len(execs) == 1

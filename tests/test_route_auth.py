@@ -152,5 +152,4 @@ def test_backend_listens_on_loopback_behind_the_proxy() -> None:
     parsed = parse_router_args(route.backend_command(env))
     assert (parsed.host, parsed.port) == ("127.0.0.1", 9001)
     assert parsed.prometheus_host == "0.0.0.0"
-    internal = route.internal_port({**env, "ROUTER_INTERNAL_PORT": "7777"})
-    assert internal == 7777
+    assert route.internal_port({**env, "ROUTER_INTERNAL_PORT": "7777"}) == 7777

@@ -24,7 +24,7 @@ import requests
 from aiohttp import web
 
 from pdstack import config, supervisor
-from pdstack.supervisor import HOST, free_port
+from pdstack.supervisor import free_port
 from tests.shared import serving
 
 MODEL = "pd-model"
@@ -84,13 +84,9 @@ def stubs() -> Iterator[Stubs]:
 
 @contextlib.contextmanager
 def router(stubs: Stubs, tmp_path: Path, extra: list[str]) -> Iterator[str]:
-    urls = supervisor.Urls(
-        router=f"http://{HOST}:{free_port()}",
-        prefill=f"http://{HOST}:{stubs.ports['prefill']}",
-        decode=f"http://{HOST}:{stubs.ports['decode']}",
-        bootstrap_port=stubs.ports["bootstrap"],
-    )
-    argv = supervisor.router_command(urls, extra, metrics_port=free_port())
+    ports = config.Ports(router=free_port(), router_metrics=free_port(), **stubs.ports)
+    urls = supervisor.urls(ports)
+    argv = supervisor.router_command(urls, extra, ports.router_metrics)
     procs = supervisor.Processes(tmp_path, "router.json", lambda line: None)
     procs.launch("router", argv, {}, urls.router)
     try:

@@ -17,11 +17,8 @@ from pdstack import supervisor, twin, wait
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 # A leader that forks a child, as vLLM's API server forks its engine core.
-FORKING = [
-    sys.executable,
-    "-c",
-    f"import subprocess, sys, time; subprocess.Popen({SLEEPER!r}); time.sleep(600)",
-]
+FORK = f"import subprocess, time; subprocess.Popen({SLEEPER!r}); time.sleep(600)"
+FORKING = [sys.executable, "-c", FORK]
 
 
 def alive(pid: int) -> bool:
@@ -74,9 +71,8 @@ def test_down_stops_the_orphans_of_a_leader_killed_alone(tmp_path: Path) -> None
 def test_a_reused_pid_is_not_ours(tmp_path: Path) -> None:
     proc = subprocess.Popen(SLEEPER, start_new_session=True)
     try:
-        state = tmp_path / "processes.json"
         entry = {"pid": proc.pid, "create_time": 1.0, "pgid": proc.pid}
-        state.write_text(json.dumps({"prefill": entry}))
+        (tmp_path / "processes.json").write_text(json.dumps({"prefill": entry}))
         assert twin.running(tmp_path) == {}
         # Nor is its process group: the number names a group started later.
         (record,) = twin.processes(tmp_path).records().values()
@@ -109,9 +105,7 @@ def test_wait_fails_fast_with_the_log_tail_when_the_process_dies(
     boom = [sys.executable, "-c", "print('boom: no model'); raise SystemExit(3)"]
     proc = twin.processes(tmp_path, progress=lambda _: None).launch("prefill", boom, {})
     start = time.monotonic()
-    with pytest.raises(
-        wait.WaitError, match=r"exited with code 3(.|\n)*boom: no model"
-    ):
+    with pytest.raises(wait.WaitError, match=r"(?s)exited with code 3.*boom: no model"):
         wait.until_healthy("prefill", "http://127.0.0.1:9", 60, proc, log)
     assert time.monotonic() - start < 10
 
@@ -147,15 +141,6 @@ def test_poll_returns_the_first_value_done_and_reports_the_last_on_timeout() -> 
         wait.poll(lambda: "x", lambda v: False, 0.3, "never", interval_s=0.05)
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` consecutive free ports (a bootstrap port needs the next one)."""
-    while True:
-        base = supervisor.free_port()
-        ports = list(range(base, base + count))
-        if base + count < 65536 and not any(map(supervisor.port_in_use, ports)):
-            return ports
-
-
 @pytest.mark.skipif(
     os.environ.get("PD_TWIN_KILL_TEST") != "1",
     reason="starts the CPU twin (minutes on 2 cores): set PD_TWIN_KILL_TEST=1",
@@ -166,9 +151,15 @@ def test_down_stops_the_engine_core_of_a_decode_killed_alone(
     """Measured before the supervisor: decode's API server alone SIGKILLed (a
     crash, the OOM killer), its VLLM::EngineCore and VLLM::Worker lived on as
     orphans of init holding 2.2 GiB, and `make down-cpu` said nothing."""
-    # Its own ports (another twin may run here); the side channel last.
+    # Its own consecutive free ports (another twin may run here); the side
+    # channel, the one after the bootstrap port, last.
+    while True:
+        base = supervisor.free_port()
+        ports = range(base, base + 6)
+        if base + 6 < 65536 and not any(map(supervisor.port_in_use, ports)):
+            break
     names = ("ROUTER_PORT", "PREFILL_PORT", "DECODE_PORT", "ROUTER_METRICS_PORT")
-    for name, port in zip((*names, "BOOTSTRAP_PORT"), free_ports(6), strict=False):
+    for name, port in zip((*names, "BOOTSTRAP_PORT"), ports, strict=False):
         monkeypatch.setenv(name, str(port))
     said: list[str] = []
     twin.up(run_dir=tmp_path, progress=said.append)
