@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from pd_mooncake import metric_names as names
-from pdstack import config
+from pdstack import config, prometheus
 from pdstack.compose import COMPOSE, DOTENV, PORTS_ENV, ROOT
 from pdstack.config import read_env_file
 from tests import manifests
@@ -112,10 +112,9 @@ def published(model: Mapping[str, Any]) -> dict[str, list[tuple[str, str, str]]]
 
 def port_violations(model: Mapping[str, Any]) -> list[str]:
     problems = []
-    every = published(model)
     for name, service in model["services"].items():
         for entry, (host_ip, host_port, target) in zip(
-            service.get("ports") or [], every[name], strict=True
+            service.get("ports") or [], published(model)[name], strict=True
         ):
             if name in PUBLISHED_OK:
                 port = ports()[PUBLISHED_OK[name]]
@@ -280,8 +279,7 @@ def test_e2e_override_publishes_only_prefill_and_decode_http_on_loopback() -> No
     assert mount["read_only"] is True
     assert Path(mount["source"]) == ROOT / "run" / "e2e-fault"
     for name in ("prefill", "decode"):
-        env = model["services"][name]["environment"]
-        assert env["VLLM_BATCH_INVARIANT"] == "0"
+        assert model["services"][name]["environment"]["VLLM_BATCH_INVARIANT"] == "0"
     # Without configs/ports.env the override stops with a clear message.
     result = compose_cli("config", "--quiet", files=files)
     assert result.returncode != 0
@@ -557,8 +555,7 @@ def known_metrics() -> set[str]:
 
 
 def dashboard_metrics(dashboard: Mapping[str, Any]) -> set[str]:
-    panels = dashboard["panels"]
-    exprs = " ".join(t["expr"] for panel in panels for t in panel.get("targets", []))
+    exprs = " ".join(expr for _, expr in prometheus.panel_queries(dashboard))
     return {SERIES_SUFFIX.sub("", s) for s in re.findall(r"vllm:[a-z0-9_]+", exprs)}
 
 

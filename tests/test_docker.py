@@ -115,8 +115,7 @@ def ignore_patterns(ignore: str) -> list[str]:
 def in_context(patterns: list[str], path: str) -> bool:
     """Whether Docker sends ``path`` (a file) with the build context."""
     keep = True
-    parts = Path(path).parts
-    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    prefixes = [str(p) for p in (Path(path), *Path(path).parents[:-1])]
     for pattern in patterns:
         glob = pattern.lstrip("!").rstrip("/")
         if any(fnmatch.fnmatch(prefix, glob) for prefix in prefixes):
