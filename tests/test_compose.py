@@ -237,8 +237,7 @@ def test_profiles_are_the_documented_ones() -> None:
 @each_profile_set
 def test_invariants_hold(profiles: tuple[str, ...]) -> None:
     model = compose_config(profiles)
-    problems = [p for check in CHECKERS for p in check(model)]
-    assert problems + port_violations(model) == []
+    assert [p for check in (*CHECKERS, port_violations) for p in check(model)] == []
 
 
 def test_default_run_is_the_tcp_trio_publishing_only_the_router_port() -> None:
@@ -544,14 +543,11 @@ def known_metrics() -> set[str]:
     """Metric names declared by the installed vLLM and by our plugin."""
     spec = importlib.util.find_spec("vllm")  # locates without importing vLLM
     assert spec and spec.submodule_search_locations
-    vllm_dir = Path(spec.submodule_search_locations[0])
+    v1 = Path(spec.submodule_search_locations[0]) / "v1"
     found = {v for v in vars(names).values() if str(v).startswith("vllm:")}
-    for path in (
-        vllm_dir / "v1" / "metrics" / "loggers.py",
-        vllm_dir / "v1" / "spec_decode" / "metrics.py",
-    ):
-        found.update(re.findall(r"\"(vllm:[a-z0-9_]+)\"", path.read_text()))
-    return found
+    sources = ("metrics/loggers.py", "spec_decode/metrics.py")
+    text = "".join((v1 / path).read_text() for path in sources)
+    return found | set(re.findall(r"\"(vllm:[a-z0-9_]+)\"", text))
 
 
 def dashboard_metrics(dashboard: Mapping[str, Any]) -> set[str]:
@@ -605,13 +601,11 @@ def test_compose_keeps_servers_private_non_root_and_secrets_out(
     no secret value reaches the rendered output (the images' final USER:
     tests/test_docker.py). Moved from the e2e fault suite: it needs no stack."""
     secrets = {}
+    env = read_env_file(DOTENV)
     for name in ("hf_token", "api_key", "grafana_admin_password"):
         secrets[name] = f"{name}-{os.urandom(8).hex()}"
         (tmp_path / name).write_text(secrets[name])
-    env = {
-        **read_env_file(DOTENV),
-        **{f"{name.upper()}_FILE": str(tmp_path / name) for name in secrets},
-    }
+        env[f"{name.upper()}_FILE"] = str(tmp_path / name)
     problems: list[str] = []
     rendered = ""
     for profiles in PROFILE_SETS:
