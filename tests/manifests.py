@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 
-from pdstack import compose, config, serve
+from pdstack import config, serve
 from pdstack.compose import PORTS_ENV
+from pdstack.compose import cli as compose_cli  # the shell's environment left out
 from pdstack.config import read_env_file
 
 # Names that hold a secret; those ending in a suffix name a file holding it.
@@ -52,10 +53,6 @@ def run(*command: str | Path, **options: Any) -> subprocess.CompletedProcess[str
     """A tool's outcome with its output as text; the caller judges the code."""
     argv = [str(part) for part in command]
     return subprocess.run(argv, capture_output=True, text=True, check=False, **options)
-
-
-# The one wrapper of the real CLI (the shell's environment left out).
-compose_cli = compose.cli
 
 
 @functools.cache

@@ -68,8 +68,6 @@ NAMED_PORTS = {
     (ROUTER, "http"): "ROUTER_PORT",
     (ROUTER, "metrics"): "ROUTER_METRICS_PORT",
 }
-# The capabilities each workload may add (everything else is dropped).
-ADDED_CAPABILITIES = {"prefill": {"IPC_LOCK"}, "decode": {"IPC_LOCK"}, ROUTER: set()}
 
 
 # --- rendering -----------------------------------------------------------------
@@ -126,9 +124,8 @@ def main_container(workload: Object) -> Object:
     return container
 
 
-def all_containers(workload: Object) -> Iterator[Object]:
-    yield from pod(workload).get("initContainers", [])
-    yield from pod(workload)["containers"]
+def all_containers(workload: Object) -> list[Object]:
+    return [*pod(workload).get("initContainers", []), *pod(workload)["containers"]]
 
 
 def named(items: list[Object], name: str) -> Object:
@@ -244,12 +241,13 @@ def security_violations(objects: list[Object]) -> Iterator[str]:
             caps = own.get("capabilities") or {}
             if "ALL" not in caps.get("drop", []):
                 yield f"{where}: must drop ALL capabilities"
+            # Only the servers' main containers add one capability, and need it.
             main = container["name"] == main_container(workload)["name"]
-            allowed = ADDED_CAPABILITIES.get(name, set()) if main else set()
+            allowed = {"IPC_LOCK"} if main and name in SERVING else set()
             added = set(caps.get("add", []))
             if added - allowed:
                 yield f"{where}: adds {sorted(added - allowed)}"
-            if main and name in SERVING and "IPC_LOCK" not in added:
+            if allowed - added:
                 yield f"{name}: needs IPC_LOCK (RDMA pins memory)"
 
 
@@ -289,13 +287,9 @@ def _secret_files(workload: Object, container: Object) -> set[str]:
 
 def secret_violations(objects: list[Object]) -> Iterator[str]:
     """Secrets only as Secret-backed files (or secretKeyRef), never plain values."""
-    for o in objects:
-        if o["kind"] == "ConfigMap":
-            yield from (
-                f"ConfigMap {o['metadata']['name']}: secret {key} in a ConfigMap"
-                for key in o.get("data") or {}
-                if manifests.SECRET_NAME.search(key)
-            )
+    for o in (o for o in objects if o["kind"] == "ConfigMap"):
+        for key in filter(manifests.SECRET_NAME.search, o.get("data") or {}):
+            yield f"ConfigMap {o['metadata']['name']}: secret {key} in a ConfigMap"
     for name, workload in workloads(objects).items():
         for container in all_containers(workload):
             # secretKeyRef and friends are fine: only plain values are checked.
@@ -389,12 +383,10 @@ def service_violations(objects: list[Object]) -> Iterator[str]:
                 yield f"router/{init['name']}: waits on another {variable}"
 
 
-def port_violations(
-    objects: list[Object], port_env: Mapping[str, str]
-) -> Iterator[str]:
+def port_violations(objects: list[Object]) -> Iterator[str]:
     """Every port number is the one configs/ports.env sets: on the containers,
     their Services and in their environment."""
-    found = workloads(objects)
+    found, port_env = workloads(objects), ports()
     for (name, port), variable in NAMED_PORTS.items():
         expected = int(port_env[variable])
         if named_port(main_container(found[name]), port) != expected:
@@ -402,9 +394,8 @@ def port_violations(
         service = find(objects, "Service", name)["spec"]["ports"]
         if {p["name"]: p["port"] for p in service}.get(port) != expected:
             yield f"Service {name}: {port} port is not {expected}"
-    bootstrap = int(port_env["BOOTSTRAP_PORT"])
     annotations = found["prefill"]["spec"]["template"]["metadata"].get("annotations")
-    if (annotations or {}).get("vllm.ai/bootstrap-port") != str(bootstrap):
+    if (annotations or {}).get("vllm.ai/bootstrap-port") != port_env["BOOTSTRAP_PORT"]:
         yield "prefill: annotation vllm.ai/bootstrap-port is wrong"
     for name in (*SERVING, ROUTER):
         env = container_env(objects, main_container(found[name]))
@@ -446,18 +437,14 @@ def reference_violations(objects: list[Object]) -> Iterator[str]:
 def placement_violations(objects: list[Object]) -> Iterator[str]:
     """kimi-k2.5: each server alone on its node (no two prefill/decode pods)."""
     for name, workload in servers(objects):
-        terms = (
-            (pod(workload).get("affinity") or {})
-            .get("podAntiAffinity", {})
-            .get("requiredDuringSchedulingIgnoredDuringExecution", [])
-        )
-        apart = set()
-        for term in terms:
-            if term.get("topologyKey") != "kubernetes.io/hostname":
-                continue
-            for other, peer in servers(objects):
-                if selects(term["labelSelector"], pod_labels(peer)):
-                    apart.add(other)
+        anti = (pod(workload).get("affinity") or {}).get("podAntiAffinity", {})
+        apart = {
+            other
+            for term in anti.get("requiredDuringSchedulingIgnoredDuringExecution", [])
+            if term.get("topologyKey") == "kubernetes.io/hostname"
+            for other, peer in servers(objects)
+            if selects(term["labelSelector"], pod_labels(peer))
+        }
         if missing := sorted(set(SERVING) - apart):
             yield f"{name}: not kept off nodes with {missing}"
 
@@ -471,7 +458,7 @@ def violations(objects: list[Object], overlay: str) -> list[str]:
         *image_violations(objects, overlay),
         *network_violations(objects),
         *service_violations(objects),
-        *port_violations(objects, ports()),
+        *port_violations(objects),
         *gpu_violations(objects, overlay),
         *reference_violations(objects),
         *(placement_violations(objects) if _gpus_per_role(overlay) > 1 else ()),
@@ -632,7 +619,6 @@ def test_service_checker_catches_violations() -> None:
     objects = render("tiny")
     find(objects, "Service", "prefill")["spec"]["clusterIP"] = "10.0.0.7"
     find(objects, "Service", "decode")["spec"]["publishNotReadyAddresses"] = False
-    decode = workloads(objects)["decode"]
     router_env = main_container(workloads(objects)[ROUTER])["env"]
     named(router_env, "PREFILL_URL")["value"] = "http://prefill:8100"
     assert list(service_violations(objects)) == [
@@ -641,7 +627,7 @@ def test_service_checker_catches_violations() -> None:
         "decode: its Service must publishNotReadyAddresses",
         "router/wait-for-backends: waits on another PREFILL_URL",
     ]
-    decode["kind"] = "Deployment"
+    workloads(objects)["decode"]["kind"] = "Deployment"
     problems = service_violations(objects)
     assert "decode: must be a StatefulSet (stable pod names)" in problems
 
@@ -652,7 +638,7 @@ def test_port_checker_catches_violations() -> None:
     main_container(workloads(objects)["prefill"])["ports"][1]["containerPort"] = 9
     main_container(workloads(objects)[ROUTER])["ports"][1]["containerPort"] = 9
     find(objects, "Service", ROUTER)["spec"]["ports"][0]["port"] = 80
-    assert list(port_violations(objects, ports())) == [
+    assert list(port_violations(objects)) == [
         "prefill: bootstrap port is not BOOTSTRAP_PORT=8998",
         "Service router: http port is not 8000",
         "router: metrics port is not ROUTER_METRICS_PORT=29000",
@@ -765,10 +751,9 @@ def env_drift(
     for name in sorted(compose.keys() | k8s.keys()):
         if name not in k8s:
             yield f"{name}: set by compose only"
-        elif name not in compose:
-            if name not in k8s_only:
-                yield f"{name}: set by the manifests only"
-        elif compose[name] != k8s[name]:
+        elif name not in compose and name not in k8s_only:
+            yield f"{name}: set by the manifests only"
+        elif name in compose and compose[name] != k8s[name]:
             yield f"{name}: compose {compose[name]!r}, k8s {k8s[name]!r}"
 
 
@@ -891,14 +876,10 @@ def role_neutral(workload: Object) -> Object:
     template: Object = json.loads(text)
     template["metadata"].pop("annotations", None)
     for container in template["spec"]["containers"]:
-        container["env"] = [
-            e for e in container.get("env", []) if e["name"] != "PD_ENGINE_ID"
-        ]
-        container["ports"] = [
-            {**p, "containerPort": "N"}
-            for p in container.get("ports", [])
-            if p["name"] != "bootstrap"
-        ]
+        env = container.get("env", [])
+        container["env"] = [e for e in env if e["name"] != "PD_ENGINE_ID"]
+        kept = [p for p in container.get("ports", []) if p["name"] != "bootstrap"]
+        container["ports"] = [{**p, "containerPort": "N"} for p in kept]
     return template
 
 
@@ -909,18 +890,12 @@ def role_drift(objects: list[Object]) -> list[str]:
 
 def _differences(a: Any, b: Any, where: str) -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
-        return [
-            d
-            for k in sorted(a.keys() | b.keys())
-            for d in _differences(a.get(k), b.get(k), f"{where}.{k}")
-        ]
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [
-            d
-            for i, (x, y) in enumerate(zip(a, b, strict=True))
-            for d in _differences(x, y, f"{where}[{i}]")
-        ]
-    return [] if a == b else [where]
+        pairs = [(f"{where}.{k}", a.get(k), b.get(k)) for k in sorted({*a, *b})]
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        pairs = [(f"{where}[{i}]", x, b[i]) for i, x in enumerate(a)]
+    else:
+        return [] if a == b else [where]
+    return [d for path, x, y in pairs for d in _differences(x, y, path)]
 
 
 @each_overlay
