@@ -38,22 +38,14 @@ def test_env_overrides_reach_the_connector_config() -> None:
         {"PD_MOONCAKE_PROTOCOL": "rdma", "PD_MOONCAKE_DEVICE": "mlx5_0"},
     )
     extra = flags["kv-transfer-config"]["kv_connector_extra_config"]
-    assert extra == {
-        "mooncake_protocol": "rdma",
-        "device_name": "mlx5_0",
-        "kv_checksum": True,
-        "kv_staging_mib": 256,
-    }
+    defaults = {"kv_checksum": True, "kv_staging_mib": 256}
+    assert extra == {"mooncake_protocol": "rdma", "device_name": "mlx5_0", **defaults}
     argv = config.render(flags, {"tiny_target": "t", "tiny_draft": "d"})
     rendered = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert rendered["kv_connector_extra_config"]["device_name"] == "mlx5_0"
     # The override did not leak into the loaded configuration.
-    base = config.vllm_flags("decode", "tiny", "gpu")
-    assert base["kv-transfer-config"]["kv_connector_extra_config"] == {
-        "mooncake_protocol": "tcp",
-        "kv_checksum": True,
-        "kv_staging_mib": 256,
-    }
+    base = config.vllm_flags("decode", "tiny", "gpu")["kv-transfer-config"]
+    assert base["kv_connector_extra_config"] == {"mooncake_protocol": "tcp", **defaults}
 
 
 @pytest.mark.parametrize(

@@ -266,21 +266,20 @@ def test_vllm_draft_matches_the_copy_on_the_probes(
         assert torch.equal(vllm_tokens, getattr(copy, field).argmax(-1)), field
 
 
+ATTEND = tm.eagle3._attend
+
+
 def _attend_with_other_gqa_grouping(
-    attend: Callable[..., torch.Tensor],
-) -> Callable[..., torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, *args: Any, **kw: Any
+) -> torch.Tensor:
     """_attend with query head h reading kv head h % kv_heads (`repeat`)
     instead of vLLM's h // (heads / kv_heads) (`repeat_interleave`)."""
-
-    def wrong(q: torch.Tensor, k: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
-        heads, kv_heads = q.shape[-2], k.shape[-2]
-        perm = torch.arange(heads).view(heads // kv_heads, kv_heads).T.flatten()
-        out = attend(q[..., perm, :], k, *args, **kw).unflatten(-1, (heads, -1))
-        fixed = torch.empty_like(out)
-        fixed[..., perm, :] = out
-        return fixed.flatten(-2)
-
-    return wrong
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    perm = torch.arange(heads).view(heads // kv_heads, kv_heads).T.flatten()
+    out = ATTEND(q[..., perm, :], k, *args, **kw).unflatten(-1, (heads, -1))
+    fixed = torch.empty_like(out)
+    fixed[..., perm, :] = out
+    return fixed.flatten(-2)
 
 
 DRIFTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
@@ -289,7 +288,7 @@ DRIFTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     ),
     "rope_theta": lambda mp: mp.setattr(tm.params, "DRAFT_ROPE_THETA", 5e5),
     "GQA head grouping": lambda mp: mp.setattr(
-        tm.eagle3, "_attend", _attend_with_other_gqa_grouping(tm.eagle3._attend)
+        tm.eagle3, "_attend", _attend_with_other_gqa_grouping
     ),
 }
 

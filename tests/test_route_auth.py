@@ -105,10 +105,8 @@ def test_requests_without_the_key_are_refused(
 
 def test_admin_paths_need_the_key_too(proxy: tuple[str, Upstream]) -> None:
     url, _ = proxy
-    for method, path in (
-        ("POST", "/add_worker?url=http://evil:1"),
-        ("GET", "/v1/models"),
-    ):
+    admin = [("POST", "/add_worker?url=http://evil:1"), ("GET", "/v1/models")]
+    for method, path in admin:
         assert requests.request(method, f"{url}{path}").status_code == 401
 
 

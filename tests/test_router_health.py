@@ -32,12 +32,9 @@ MODEL = "pd-model"
 # configured one.
 HEALTH_DELAY_S = 6.0
 # The control: the default timeout, checked every second (drops in ~10 s).
-CONTROL_FLAGS = [
-    "--health-check-timeout-secs",
-    "5",
-    "--health-check-interval-secs",
-    "1",
-]
+CONTROL_FLAGS = config.render(
+    {"health-check-timeout-secs": 5, "health-check-interval-secs": 1}, {}
+)
 # Three checks at the configured 5 s interval, and a margin.
 WATCH_S = 25.0
 
