@@ -139,7 +139,7 @@ def test_layout_check_is_skipped_without_a_layout_model() -> None:
 def test_layout_check_follows_the_stacks_block_size() -> None:
     """A GPU stack's 64-token bfloat16 blocks: 128 tokens are 2 blocks there."""
     gpu = kv_layout.layout(MLA_TARGET, GQA_DRAFT, "bfloat16", 64)
-    values = {**counters([130]), "bytes": gpu.transfer_bytes(130)}
+    values = counters([130], bytes=gpu.transfer_bytes(130))
     check = kv_transfer.check_layout([130], values, gpu)
     assert check is not None and check.ok, check
     assert "64-token blocks" in check.detail

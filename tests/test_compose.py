@@ -22,7 +22,6 @@ import yaml
 from pd_mooncake import metric_names as names
 from pdstack import config, prometheus
 from pdstack.compose import COMPOSE, DOTENV, PORTS_ENV, ROOT
-from pdstack.config import read_env_file
 from tests import manifests
 from tests.manifests import HEALTH, compose_cli, compose_config, environment, ports
 
@@ -406,7 +405,7 @@ def test_every_knob_is_documented_in_dotenv() -> None:
 
 
 def test_dotenv_holds_no_secret_values() -> None:
-    for key in read_env_file(DOTENV):
+    for key in config.read_env_file(DOTENV):
         secret = manifests.SECRET_NAME.search(key)
         assert not secret or key.endswith(manifests.SECRET_REF_SUFFIXES), key
 
@@ -601,7 +600,7 @@ def test_compose_keeps_servers_private_non_root_and_secrets_out(
     no secret value reaches the rendered output (the images' final USER:
     tests/test_docker.py). Moved from the e2e fault suite: it needs no stack."""
     secrets = {}
-    env = read_env_file(DOTENV)
+    env = config.read_env_file(DOTENV)
     for name in ("hf_token", "api_key", "grafana_admin_password"):
         secrets[name] = f"{name}-{os.urandom(8).hex()}"
         (tmp_path / name).write_text(secrets[name])
