@@ -82,11 +82,15 @@ def _load(path: Path) -> dict[str, Any]:
     return data
 
 
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / "profiles").glob("*.yaml"))
+
+
 def profile(name: str) -> dict[str, Any]:
     path = CONFIGS / "profiles" / f"{name}.yaml"
     if not path.is_file():
-        known = sorted(p.stem for p in (CONFIGS / "profiles").glob("*.yaml"))
-        raise ConfigError(f"unknown profile {name!r}; known: {', '.join(known)}")
+        known = ", ".join(profile_names())
+        raise ConfigError(f"unknown profile {name!r}; known: {known}")
     return _load(path)
 
 
@@ -230,9 +234,8 @@ def router_args(
     metrics_port: int | None = None,
 ) -> list[str]:
     """vllm-router's flags; each URL may be a comma-separated list of replicas."""
-    flags = router_flags()
     metrics = ports().router_metrics if metrics_port is None else metrics_port
-    argv = [*render(flags, {}), "--host", host, "--port", str(port)]
+    argv = [*render(router_flags(), {}), "--host", host, "--port", str(port)]
     # Its exporter binds a fixed port (default 29000): two routers on one host
     # (twin, CI, a benchmark) must each get their own.
     argv += ["--prometheus-port", str(metrics)]

@@ -56,6 +56,11 @@ class KVLayout:
     regions: tuple[Region, ...]
     kv_dtype: str
 
+    @property
+    def layers(self) -> int:
+        """Every region's layers: the per-layer regions a transfer covers."""
+        return sum(r.layers for r in self.regions)
+
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
@@ -69,16 +74,6 @@ class KVLayout:
     def transfer_bytes(self, tokens: int, layout: str | None = None) -> int:
         """Bytes of one transfer of ``tokens`` prompt tokens (whole blocks)."""
         return self.blocks(tokens) * self.bytes_per_block(layout)
-
-
-def dtype_bytes(dtype: str) -> int:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise LayoutError(
-            f"KV element type {dtype!r} has no known size; known: "
-            f"{', '.join(sorted(DTYPE_BYTES))}"
-        )
-    return DTYPE_BYTES[name]
 
 
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -129,11 +124,17 @@ def layout(
     """The regions prefill registers for a target (and an Eagle draft)."""
     if block_size <= 0:
         raise LayoutError(f"block size must be positive, got {block_size}")
-    element = dtype_bytes(kv_dtype)
+    name = str(kv_dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise LayoutError(
+            f"KV element type {kv_dtype!r} has no known size; known: "
+            f"{', '.join(sorted(DTYPE_BYTES))}"
+        )
+    element = DTYPE_BYTES[name]
     regions = [_region("target", target, element, tensor_parallel_size)]
     if draft is not None:
         regions.append(_region("draft", draft, element, tensor_parallel_size))
-    return KVLayout(block_size, tuple(regions), str(kv_dtype).removeprefix("torch."))
+    return KVLayout(block_size, tuple(regions), name)
 
 
 def served(

@@ -416,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pdstack.preflight", description=__doc__.splitlines()[0]
     )
-    known = sorted(p.stem for p in (config.CONFIGS / "profiles").glob("*.yaml"))
+    known = config.profile_names()
     add = parser.add_argument
     add("--profile", action="append", choices=known, help="default: every profile")
     add("--role", action="append", choices=config.ROLES, help="default: both")
