@@ -413,7 +413,7 @@ def test_dotenv_holds_no_secret_values() -> None:
 # --- the vLLM flags compose gives prefill and decode -----------------------------
 
 # configs/profiles/: the model profiles (not compose's).
-MODEL_PROFILES = sorted(p.stem for p in (config.CONFIGS / "profiles").glob("*.yaml"))
+MODEL_PROFILES = config.profile_names()
 # configs/targets/cpu.yaml's `vllm:` keys and a profile's own per-target
 # settings: what the CPU twin changes for a CPU. Nothing else may differ from
 # a GPU host.
