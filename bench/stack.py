@@ -56,10 +56,7 @@ def _check_free(ports: Mapping[str, int], what_to_set: str) -> None:
 
 
 def start_pd(
-    stack: supervisor.Processes,
-    profile: str,
-    progress: Progress = print,
-    env: Mapping[str, str] | None = None,
+    stack: supervisor.Processes, profile: str, env: Mapping[str, str] | None = None
 ) -> tuple[Urls, dict[str, float], list[str]]:
     """Prefill, decode and router on the configured ports, with ``env`` on top
     of this process's environment (e.g. ``PD_MOONCAKE_KV_CHECKSUM=0``: what
@@ -70,16 +67,13 @@ def start_pd(
 
 
 def restart_pd(
-    stack: supervisor.Processes,
-    profile: str,
-    env: Mapping[str, str],
-    progress: Progress = print,
+    stack: supervisor.Processes, profile: str, env: Mapping[str, str]
 ) -> tuple[Urls, dict[str, float], list[str]]:
     """The P/D servers stopped (if running) and started again with ``env``
     (empty: the environment untouched); as start_pd. The bench's one way to
     run a stack with a setting changed, and to have fresh servers."""
     stack.stop(["router", "decode", "prefill"])
-    return start_pd(stack, profile, progress, env)
+    return start_pd(stack, profile, env)
 
 
 def _start_pd(
@@ -108,11 +102,7 @@ def _start_pd(
 
 
 def start_colocated(
-    stack: supervisor.Processes,
-    profile: str,
-    port: int,
-    threads: int,
-    progress: Progress = print,
+    stack: supervisor.Processes, profile: str, port: int, threads: int
 ) -> tuple[str, float, list[str]]:
     """One vLLM server with P/D's flags minus the KV connector, given the
     threads and the KV cache of both P/D servers together."""
