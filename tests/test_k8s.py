@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import subprocess
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -73,13 +72,9 @@ NAMED_PORTS = {
 # --- rendering -----------------------------------------------------------------
 
 
-def kustomize(path: Path) -> subprocess.CompletedProcess[str]:
-    return manifests.run(manifests.tool("kubectl"), "kustomize", path)
-
-
 @functools.cache
 def _rendered_text(path: Path) -> str:
-    result = kustomize(path)
+    result = manifests.run(manifests.tool("kubectl"), "kustomize", path)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -254,12 +249,10 @@ def security_violations(objects: list[Object]) -> Iterator[str]:
 def shm_violations(objects: list[Object]) -> Iterator[str]:
     """Servers get a memory-backed, bounded /dev/shm (compose's shm_size)."""
     for name, workload in servers(objects):
-        mounts = {
-            m["mountPath"]: m["name"]
-            for m in main_container(workload).get("volumeMounts", [])
-        }
+        mounts = main_container(workload).get("volumeMounts", [])
+        shm = next((m["name"] for m in mounts if m["mountPath"] == "/dev/shm"), "")
         volumes = {v["name"]: v for v in pod(workload).get("volumes", [])}
-        empty_dir = volumes.get(mounts.get("/dev/shm", ""), {}).get("emptyDir")
+        empty_dir = volumes.get(shm, {}).get("emptyDir")
         if not empty_dir or empty_dir.get("medium") != "Memory":
             yield f"{name}: /dev/shm must be an emptyDir, medium Memory"
         elif not empty_dir.get("sizeLimit"):
@@ -272,10 +265,8 @@ def _secret_files(workload: Object, container: Object) -> set[str]:
     files: set[str] = set()
     for mount in container.get("volumeMounts", []):
         volume = volumes.get(mount["name"], {})
-        if "secret" in volume:
-            sources = [{"secret": volume["secret"]}]
-        else:
-            sources = (volume.get("projected") or {}).get("sources", [])
+        projected = (volume.get("projected") or {}).get("sources", [])
+        sources = [{"secret": volume["secret"]}] if "secret" in volume else projected
         if not sources or any(set(s) != {"secret"} for s in sources):
             continue  # not purely secret-backed
         for source in sources:
@@ -703,7 +694,7 @@ def test_kustomize_refuses_a_file_outside_its_root(tmp_path: Path) -> None:
     (root / "kustomization.yaml").write_text(
         "configMapGenerator:\n  - name: p\n    envs: [../ports.env]\n"
     )
-    result = kustomize(root)
+    result = manifests.run(manifests.tool("kubectl"), "kustomize", root)
     assert result.returncode != 0
     assert "is not in or below" in result.stderr
 
@@ -776,8 +767,7 @@ def test_servers_run_what_compose_runs(overlay: str, role: str, serves: Serves) 
     # Each prefill pod's own engine id (its name) is the only difference.
     assert (engine_id is not None) == (role == "prefill")
     if engine_id is not None:
-        mine["PD_ENGINE_ID"] = engine_id
-        ours = serves(container["args"], mine)
+        ours = serves(container["args"], {**mine, "PD_ENGINE_ID": engine_id})
         assert ours == expected.replace(
             '"engine_id":"pd-prefill"', '"engine_id":"<field metadata.name>"'
         )
