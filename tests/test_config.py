@@ -140,7 +140,6 @@ def test_env_files_follow_compose_quoting(tmp_path) -> None:
 
 
 def test_the_side_channel_port_sits_above_the_bootstrap_port() -> None:
-    """Where prefill's ZMQ side channel listens (configs/vllm/prefill.yaml's
-    side_channel_port_offset); it moves with BOOTSTRAP_PORT."""
+    """It moves with BOOTSTRAP_PORT (config.Ports.side_channel says where)."""
     assert config.ports({}).side_channel == 8999
     assert config.ports({"BOOTSTRAP_PORT": "8988"}).side_channel == 8989

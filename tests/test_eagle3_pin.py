@@ -165,13 +165,8 @@ def vllm_outputs(
 def vllm_draft_model(models: tm.TinyModels) -> Iterator[tuple[Any, Any]]:
     """vLLM's config for target + Eagle3 draft, as the server resolves it, and
     the draft model from vLLM's loader, in a one-process gloo world."""
+    from vllm import distributed
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
 
@@ -187,7 +182,7 @@ def vllm_draft_model(models: tm.TinyModels) -> Iterator[tuple[Any, Any]]:
         max_model_len=2048,
     ).create_engine_config()
     with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(config):
-        init_distributed_environment(
+        distributed.init_distributed_environment(
             world_size=1,
             rank=0,
             local_rank=0,
@@ -195,7 +190,7 @@ def vllm_draft_model(models: tm.TinyModels) -> Iterator[tuple[Any, Any]]:
             backend="gloo",
         )
         try:
-            initialize_model_parallel(1, 1)
+            distributed.initialize_model_parallel(1, 1)
             # As vLLM's CPU worker does: there is no accelerator cache to empty.
             with mock.patch.object(torch.accelerator, "empty_cache", lambda: None):
                 model = get_model(
@@ -204,8 +199,8 @@ def vllm_draft_model(models: tm.TinyModels) -> Iterator[tuple[Any, Any]]:
                 )
             yield config, model
         finally:
-            destroy_model_parallel()
-            destroy_distributed_environment()
+            distributed.destroy_model_parallel()
+            distributed.destroy_distributed_environment()
 
 
 @pytest.fixture(scope="module")
