@@ -128,8 +128,8 @@ def test_layout_check(change: dict[str, float], ok: bool, why: str) -> None:
     check = kv_transfer.check_layout(LENS, counters(LENS, **change), TWIN)
     assert check is not None and check.ok == ok, check
     assert why in check.detail
-    # 8 + 9 + 256 blocks, per request, never pooled (BLOCK: tests/test_kv_layout.py).
-    assert check.expected_bytes == (8 + 9 + 256) * BLOCK
+    # 8 + 9 + 256 blocks of 311296 bytes: per request, never pooled.
+    assert check.expected_bytes == (8 + 9 + 256) * BLOCK == (8 + 9 + 256) * 311296
 
 
 def test_layout_check_is_skipped_without_a_layout_model() -> None:
