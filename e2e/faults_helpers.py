@@ -174,7 +174,7 @@ def references(stack: Stack, bodies: list[dict[str, Any]]) -> list[list[int]]:
     """Colocated answers (prefill served whole), a few at a time."""
     answers = post_all(stack.reference, bodies, timeout=300, workers=8)
     bad = [a for a in answers if a.status != 200 or a.token_ids is None]
-    assert not bad, f"reference failed: {bad[0] if bad else ''}"
+    assert not bad, f"reference failed: {bad[0]}"
     return [a.token_ids or [] for a in answers]
 
 

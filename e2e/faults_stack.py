@@ -38,8 +38,7 @@ def faults(request: pytest.FixtureRequest) -> Iterator[fh.FaultStack]:
     """The stack the fault cases break, with its idle state and bounds."""
     cfg = fh.settings()
     bounds, launch = fh.stack_settings(cfg)
-    opt = request.config.getoption
-    if opt("router_url"):
+    if request.config.getoption("router_url"):
         # The stack given by URLs (conftest's), with the fault suite's bounds.
         given = fh.FaultStack(**vars(request.getfixturevalue("stack")), bounds=bounds)
         given.idle = fh.idle_state(given)
