@@ -109,8 +109,10 @@ def authorized(headers: Mapping[str, str], key: str) -> bool:
     )
 
 
-def _forwardable(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+def _forwardable(
+    headers: Mapping[str, str], drop: frozenset[str] = frozenset()
+) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP | drop}
 
 
 def auth_proxy_app(key: str, upstream: str) -> Any:
@@ -136,10 +138,9 @@ def auth_proxy_app(key: str, upstream: str) -> Any:
             return web.json_response(
                 {"error": error}, status=401, headers={"WWW-Authenticate": "Bearer"}
             )
-        headers = _forwardable(request.headers)
-        # vllm-router does not need the client's key; keep it out of its logs.
-        headers.pop("Authorization", None)
-        headers.pop("authorization", None)
+        # vllm-router does not need the client's key; keep it out of its logs
+        # (any spelling: header names are case-insensitive).
+        headers = _forwardable(request.headers, drop=frozenset({"authorization"}))
         try:
             async with sessions[0].request(
                 request.method,
