@@ -99,7 +99,7 @@ def test_a_staged_transfer_takes_few_descriptors(
         pytest.skip(f"KV staging is off on this stack (buffer bytes {staged})")
     length, decode, prefill = sent
     tokens = kv_layout.tokens_loaded(length)
-    blocks = -(-tokens // layout.block_size)
+    blocks = layout.blocks(tokens)
     # Prefill gathered and wrote a record, decode copied it into the blocks.
     sent_phases = prefill.by_label(m.STAGING_SECONDS, "phase")
     landed_phases = decode.by_label(m.STAGING_SECONDS, "phase")
