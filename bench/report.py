@@ -184,7 +184,6 @@ class Run:
 
 
 def summary(run: Run) -> dict[str, Any]:
-    checks = [p.layout(run.model) for p in run.pairs]
     return {
         "meta": run.meta,
         "targets": [asdict(t) for t in run.checks],
@@ -200,7 +199,7 @@ def summary(run: Run) -> dict[str, Any]:
             for p in run.pairs
         ],
         "level_status": run.status,
-        "layout_checks_ok": all(check.ok for check in checks if check),
+        "layout_checks_ok": all(c.ok for p in run.pairs if (c := p.layout(run.model))),
         "startup": run.startup,
         "memory": run.memory,
         "router_overhead": {

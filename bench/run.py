@@ -361,8 +361,7 @@ def kv_path_only(s: Settings) -> Path:
     the configured sizes nearest to the stack's transfers."""
     step = functools.partial(kv_path_step, s)
     out, progress = _on_own_stack(s, "KV path staged/direct", step)
-    sizes = kv_path.sizes_for(kv_path.read(out), s.transfer_sizes)
-    if sizes:
+    if sizes := kv_path.sizes_for(kv_path.read(out), s.transfer_sizes):
         transfer_engine_step(replace(s, transfer_sizes=sizes), out, progress, True)
     return _finish(out, progress)
 

@@ -127,12 +127,10 @@ def _router_met(real: Sequence[Any], stubs: Sequence[Any]) -> bool | None:
     stack's noise cannot. A point figure never decides, nor does the real
     stack's lower bound alone (on a noisy host it is below any target).
     """
-    real_iv, stub_iv = _interval(real), _interval(stubs)
     target_ms = ROUTER_P50_TARGET_MS
-    if real_iv is not None and (real_iv[0] > target_ms or real_iv[1] <= target_ms):
-        return real_iv[0] <= target_ms
-    if stub_iv is not None and (stub_iv[0] > target_ms or stub_iv[1] <= target_ms):
-        return stub_iv[1] <= target_ms
+    for iv in (_interval(real), _interval(stubs)):
+        if iv is not None and (iv[0] > target_ms or iv[1] <= target_ms):
+            return iv[0] <= target_ms
     return None
 
 
@@ -216,8 +214,7 @@ def _checksum_target(result: kv_checksum.Result | None) -> Target:
     cost = result.ttft_cost(CHECKSUM_INPUT_LEN) if result else None
     if result is None or cost is None:
         return Target(name, target, "not measured", None)
-    on = result.side("on", CHECKSUM_INPUT_LEN)
-    off = result.side("off", CHECKSUM_INPUT_LEN)
+    on, off = (result.side(k, CHECKSUM_INPUT_LEN) for k in kv_checksum.STATES)
     assert on is not None and off is not None
     digest_s = kv_checksum.digest_seconds(result)
     note = (
