@@ -88,40 +88,31 @@ def measure(
     engine = router_capture.engine_id(bootstrap)
     via_router = Connection(router_url)
     to_prefill, to_decode = Connection(prefill_url), Connection(decode_url)
+    conns = (via_router, to_prefill, to_decode)
     path = "/v1/completions"
     result = Overhead()
     last_note = time.monotonic()
 
-    def router_once(routed: bytes) -> float:
+    def timed(conn: Connection, data: bytes) -> float:
         start = time.perf_counter()
-        via_router.post(path, routed)
+        conn.post(path, data)
         return (time.perf_counter() - start) * 1e3
-
-    def direct_once(legs: list[bytes]) -> tuple[float, float, float]:
-        start = time.perf_counter()
-        to_prefill.post(path, legs[0])
-        mid = time.perf_counter()
-        to_decode.post(path, legs[1])
-        end = time.perf_counter()
-        return (end - start) * 1e3, (mid - start) * 1e3, (end - mid) * 1e3
 
     try:
         for i in range(warmup + pairs):
             body = {"model": model, "prompt": f"{i} {router_capture.PROMPT}",
                     "max_tokens": 2, "temperature": 0.0,
                     "ignore_eos": True}  # fmt: skip
-            routed = json.dumps(body).encode()
-            prefill, decode = router_capture.build_legs(body, engine, bootstrap)
-            legs = [json.dumps(prefill).encode(), json.dumps(decode).encode()]
-            # Alternate which path goes first, so neither always finds the
-            # servers just woken (or just busy).
+            # The routed body, then the two legs the router would send for it.
+            bodies = (body, *router_capture.build_legs(body, engine, bootstrap))
+            sends = list(
+                zip(conns, (json.dumps(b).encode() for b in bodies), strict=True)
+            )
+            # Alternate which path goes first (the router on odd i), so neither
+            # always finds the servers just woken (or just busy).
+            order = sends if i % 2 else [*sends[1:], sends[0]]
             try:
-                if i % 2:
-                    router = router_once(routed)
-                    direct = direct_once(legs)
-                else:
-                    direct = direct_once(legs)
-                    router = router_once(routed)
+                ms = {c: timed(c, data) for c, data in order}
             except router_capture.ProtocolError as exc:
                 # A failed request (e.g. a KV transfer timing out on a busy
                 # host) drops its pair; many of them end the measurement.
@@ -130,15 +121,15 @@ def measure(
                     raise
                 continue
             if i >= warmup:
-                result.router_ms.append(router)
-                result.direct_ms.append(direct[0])
-                result.prefill_leg_ms.append(direct[1])
-                result.decode_leg_ms.append(direct[2])
+                result.router_ms.append(ms[via_router])
+                result.direct_ms.append(ms[to_prefill] + ms[to_decode])
+                result.prefill_leg_ms.append(ms[to_prefill])
+                result.decode_leg_ms.append(ms[to_decode])
             if time.monotonic() - last_note > 15:
                 progress(f"  ... {i + 1 - warmup}/{pairs} pairs")
                 last_note = time.monotonic()
     finally:
-        for conn in (via_router, to_prefill, to_decode):
+        for conn in conns:
             conn.close()
     return result
 
