@@ -1,17 +1,8 @@
 """What the plugin's KV checksum (pd_mooncake.checksum) costs, two measurements
 for the report's "KV checksum" section; docs/bench.md ("The KV checksum's
-cost") says how and why:
-
-- on the stack: the same single requests (bench.single_requests: prefill and
-  decode each digest one request at a time, as on a quiet server) through a
-  P/D stack with the checksum on and again after a restart with
-  ``PD_MOONCAKE_KV_CHECKSUM=0``; TTFT and transfer time p50s per prompt
-  length; decode's checksum series say whether each pass really had it on or
-  off;
-- the digest alone, in-process (``python -m bench checksum --digest-only``):
-  GB/s of the plugin's ``digest`` over a request's blocks scattered in real
-  tensors shaped as the stack's KV regions, against a plain read, a copy and
-  the gather alone, on one thread and on torch's default threads.
+cost") says how and why: the same single requests (bench.single_requests: one
+at a time, as on a quiet server) through P/D with the checksum on and, after a
+restart, off; and the digest alone, in-process (digest_benchmark).
 """
 
 from __future__ import annotations
@@ -296,6 +287,7 @@ def digest_command(profile: str, layout_file: Path | None, out: Path | None) -> 
     from bench import kv_transfer
     from pdstack import config, tiny_model
 
+    flags = config.vllm_flags("prefill", profile, "cpu")
     layout = None
     if layout_file is not None and layout_file.exists():
         layout = kv_transfer.layout_from_json(read_json(layout_file))
@@ -303,13 +295,11 @@ def digest_command(profile: str, layout_file: Path | None, out: Path | None) -> 
         models = tiny_model.ensure_models(progress=lambda _: None)
         target = kv_layout.read_config(models.target)
         dtype = str(target.get("torch_dtype") or target.get("dtype") or "float32")
-        block = int(config.vllm_flags("prefill", profile, "cpu")["block-size"])
         draft = kv_layout.read_config(models.draft)
-        layout = kv_layout.layout(target, draft, dtype, block)
+        layout = kv_layout.layout(target, draft, dtype, int(flags["block-size"]))
     if layout is None:
         print(f"bench: no KV layout for profile {profile!r}: give --layout FILE")
         return 2
-    flags = config.vllm_flags("prefill", profile, "cpu")
     cache = int(flags.get("kv-cache-memory-bytes") or 512 << 20)
     data = digest_benchmark(layout, cache)
     if out is not None:

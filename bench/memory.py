@@ -66,10 +66,8 @@ class PeakMemory:
     def _run(self) -> None:
         last_pss = 0.0
         while not self._stop.is_set():
-            now = time.monotonic()
-            with_pss = now - last_pss >= PSS_INTERVAL_S
-            if with_pss:
-                last_pss = now
+            if with_pss := time.monotonic() - last_pss >= PSS_INTERVAL_S:
+                last_pss = time.monotonic()
             self.sample(with_pss)
             self._stop.wait(RSS_INTERVAL_S)
 
