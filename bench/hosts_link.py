@@ -1,17 +1,14 @@
 """Mooncake's transfer engine between two hosts, against a single TCP stream
-over the same link, unshaped and shaped (``python -m bench hosts-link``).
+over the same link, unshaped and shaped (``python -m bench hosts-link``);
+docs/bench.md ("What runs", step 1) describes the hosts and the link.
 
-The hosts are pdstack.netns's: host ``recv`` is a network namespace on a
-private bridge (tag ``bl``, a /24 of its own), this process the other end,
-over the client link (root namespace -> bridge -> recv's veth). The
-measurement is bench.transfer_engine's ``engine`` and ``socket``, unchanged:
-the receiver in recv's namespace, the sender here. For each rate, ``tc tbf``
-on both ends of recv's link (``Network.shape``).
-
-Where the socket reaches ``LINK_LIMITED`` of the shaped rate, the link is the
-limit and the engine is judged against it; where the socket does not, the
-CPU is (2 cores: sender, receiver and the kernel's veth/bridge work share
-them), and the engine is reported, not judged.
+The measurement is bench.transfer_engine's ``engine`` and ``socket``,
+unchanged: the receiver in host ``recv``'s network namespace (pdstack.netns),
+the sender here, each rate set by ``Network.shape``. Where the socket
+reaches ``LINK_LIMITED`` of the shaped rate, the link is the limit and the
+engine is judged against it; where the socket does not, the CPU is (2 cores:
+sender, receiver and the kernel's veth/bridge work share them), and the
+engine is reported, not judged.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Staged against direct KV sends, on fresh and on fragmented block lists;
 docs/bench.md ("The KV path") says what is measured, why, and how to read it.
 
-Without staging prefill sends one descriptor per run of contiguous blocks and
-KV region, and once requests have ended in another order than they started
-the free block lists are shuffled: a run is a block, every block a Mooncake
-descriptor (a TCP write the receiver acknowledges). Per state, "staged" (the
-environment untouched) and "direct" (``PD_MOONCAKE_KV_STAGING_MIB=0``), on a
-stack just (re)started (bench.stack.restart_pd), one ``vllm bench serve``
-sweep: the fresh pass (a warm-up, then bench.single_requests), the
-fragmentation warm-up (Burst), the fragmented pass (new seeds, no warm-up).
-Per request: prefill's counter deltas (bench.kv_transfer), the staged send's
-phases (bench.kv_phases) and TTFT; p50s per state x pass x prompt length,
-against the transfer engine's rates (bench.transfer_engine) where the run has
-them; bench.targets judges them.
+Per state (STATE_ENV), on a stack just (re)started (bench.stack.restart_pd),
+one ``vllm bench serve`` sweep (plan). Per request: prefill's counter deltas
+(bench.kv_transfer), the staged send's phases (bench.kv_phases) and TTFT;
+p50s per state x pass x prompt length (Cell), against the transfer engine's
+rates (bench.transfer_engine) where the run has them; bench.targets judges
+them.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """The phases of a staged KV send (pd_mooncake.staging), per request, from
 both servers' ``pdstack.metrics.STAGING_SECONDS`` (label ``phase``): gather
 and write on prefill, scatter on decode; docs/bench.md ("The KV path") says
-what each is and how the report shows them.
+what each is, where a request's are kept, and how the report shows them.
 
 Prefill's transfer seconds (bench.kv_transfer) span gather and write; the
 scatter follows on decode, inside TTFT but outside the transfer. A request
-sent directly has none of them. Per request the bench keeps each phase's
-delta in its ``.kv.json`` (key()): prefill's with its transfer counters
-(kv_transfer.delta_json), decode's settled the way those are (settle_decode).
+sent directly has none of them.
 """
 
 from __future__ import annotations

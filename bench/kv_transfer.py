@@ -1,12 +1,10 @@
 """The KV transfer cost of a P/D level, from the plugin's metrics on prefill;
-docs/bench.md ("KV transfer per request") says what is reported.
+docs/bench.md ("KV transfer per request") says what is reported and why.
 
-Mooncake is prefill-push, and one transfer may carry several requests' KV
-(prefill batches the requests bound for one decode in a step), so a request
-waits for its transfer's whole duration: the level's bytes are split over its
-requests, its seconds over its transfers. Bytes are checked against the KV
-layout of the stack measured (pdstack.kv_layout: whole blocks of the servers'
-own block size and KV type) from each request's prompt length.
+One transfer may carry several requests' KV (prefill batches the requests
+bound for one decode in a step), so a request waits for its transfer's whole
+duration: the level's bytes are split over its requests, its seconds over its
+transfers. Bytes are checked against the stack's layout (pdstack.kv_layout).
 """
 
 from __future__ import annotations

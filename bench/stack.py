@@ -2,14 +2,10 @@
 
 Built from the same pdstack functions as the twin (``serve.command`` renders
 prefill and decode from configs/, ``supervisor.router_command`` the router),
-with one difference, logged:
-
-- the router gets a free Prometheus port: vllm-router binds 29000 by default,
-  so two twins on one host (CI and a bench) would collide there.
-
-``pdstack.supervisor`` keeps the processes: each in its own process group,
-recorded in ``<run_dir>/bench-processes.json`` so that a killed bench's
-servers are stopped by the next one.
+with one difference, logged: the router gets a free Prometheus port
+(vllm-router binds 29000 by default, so two twins on one host, CI and a
+bench, would collide there). ``pdstack.supervisor`` keeps the processes, in
+``STATE_FILE``: a killed bench's servers are stopped by the next one.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Mooncake's transfer engine alone, over TCP on loopback, against this machine's
 ceilings measured in the same run (or between two hosts: bench.hosts_link
-gives ``run`` the hosts' addresses and the receiver's network namespace).
+gives ``run`` the hosts' addresses and the receiver's network namespace);
+docs/bench.md ("What runs", step 1) says what each of ``METHODS`` sends.
 
-Two processes (bench.loopback, the harness of the plugin's transfer tests too):
-this one writes, a spawned receiver owns the destination buffer. For each size
-the same bytes go these ways:
-
-- ``engine``: one ``batch_transfer_sync_write`` descriptor (Mooncake acknowledges
-  a TCP write once the receiver has it, so one call is one delivered copy);
-- ``engine_kv_blocks``: the same bytes as descriptors of one KV block each (the
-  shape of a real P/D transfer: one descriptor per block run and region);
-- ``engine_chunked``: the same bytes as ``pd_mooncake.staging.CHUNK_BYTES``
-  (1 MiB) descriptors submitted one by one and polled
-  (``pd_mooncake.stall_guard.write``): how the plugin's staged path sends a
-  record; sizes from one chunk up;
-- ``socket``: a plain single-stream loopback TCP copy, sender waiting for a
-  one-byte acknowledgement per transfer (the same completion rule);
-- ``memcpy``: a single-threaded copy in memory.
-
+Two processes (bench.loopback): this one writes, a spawned receiver owns the
+destination buffer. Mooncake acknowledges a TCP write once the receiver has
+it, so one ``batch_transfer_sync_write`` is one delivered copy; the socket's
+sender waits for a one-byte acknowledgement per transfer (the same rule).
+``engine_kv_blocks`` has a direct send's shape (a descriptor per block run).
 Every delivered copy is checked: the receiver's bytes must hash like the
 sender's (the buffer is cleared first), so a method that moved nothing cannot
 report a throughput.
