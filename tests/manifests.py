@@ -112,12 +112,10 @@ def secret_env_violations(
     """A secret reaches a process only as the path of a file a secret store
     mounts (compose `secrets:`, a Kubernetes Secret volume), never as a value."""
     problems = []
-    for key, value in env.items():
-        if not SECRET_NAME.search(key):
-            continue
+    for key in filter(SECRET_NAME.search, env):
         if not key.endswith(SECRET_REF_SUFFIXES):
             problems.append(f"{where}: secret {key} as a plain value")
-        elif value not in secret_files:
+        elif env[key] not in secret_files:
             problems.append(f"{where}: {key} is not a file from a secret")
     return problems
 

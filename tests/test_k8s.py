@@ -428,22 +428,6 @@ def placement_violations(objects: list[Object]) -> Iterator[str]:
             yield f"{name}: not kept off nodes with {missing}"
 
 
-def violations(objects: list[Object], overlay: str) -> list[str]:
-    return [
-        *probe_violations(objects),
-        *security_violations(objects),
-        *shm_violations(objects),
-        *secret_violations(objects),
-        *image_violations(objects, overlay),
-        *network_violations(objects),
-        *service_violations(objects),
-        *port_violations(objects),
-        *gpu_violations(objects, overlay),
-        *reference_violations(objects),
-        *(placement_violations(objects) if _gpus_per_role(overlay) > 1 else ()),
-    ]
-
-
 # --- the overlays: schema and invariants --------------------------------------------
 
 
@@ -480,7 +464,20 @@ def test_strict_validation_rejects_an_unknown_field_and_a_wrong_type() -> None:
 
 @each_overlay
 def test_invariants_hold(overlay: str) -> None:
-    assert violations(render(overlay), overlay) == []
+    objects = render(overlay)
+    assert [
+        *probe_violations(objects),
+        *security_violations(objects),
+        *shm_violations(objects),
+        *secret_violations(objects),
+        *image_violations(objects, overlay),
+        *network_violations(objects),
+        *service_violations(objects),
+        *port_violations(objects),
+        *gpu_violations(objects, overlay),
+        *reference_violations(objects),
+        *(placement_violations(objects) if _gpus_per_role(overlay) > 1 else ()),
+    ] == []
 
 
 # Negative controls on the tiny overlay: each breaks a fresh render (its
