@@ -66,10 +66,9 @@ def test_n_children_each_pull_their_own_copy(
     got = client.complete_all(
         stack.router, prompts, MAX_TOKENS, n=3, temperature=1.0, seed=11
     )
-    tokens = 3 * sum(kv_layout.tokens_loaded(len(p)) for p in prompts)
-    per_copy = sum(
-        layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in prompts
-    )
+    loaded = [kv_layout.tokens_loaded(len(p)) for p in prompts]
+    tokens = 3 * sum(loaded)
+    per_copy = sum(map(layout.transfer_bytes, loaded))
     decode, prefill = transferred(
         stack, before, tokens, m.PROMPT_TOKENS_BY_SOURCE, (m.BYTES, 3 * per_copy)
     )
