@@ -66,10 +66,7 @@ class Snapshot:
 
     def labels_of(self, name: str) -> dict[str, str]:
         """The labels of the first sample of ``name`` (for *_info gauges)."""
-        for sample, labels in self.samples:
-            if sample == name:
-                return dict(labels)
-        return {}
+        return next((dict(have) for sample, have in self.samples if sample == name), {})
 
     def __sub__(self, before: Snapshot) -> Snapshot:
         keys = set(self.samples) | set(before.samples)

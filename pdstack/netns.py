@@ -110,7 +110,10 @@ class Network:
         if len(self.names) > 200:
             raise ValueError("at most 200 hosts on one /24")
         self.base = f"{PREFIX}{self.tag}-"
-        self.subnet = subnet_of(self.tag)
+        # The tag's /24 of SPACE, chosen by a hash of the tag.
+        index = zlib.crc32(self.tag.encode()) % 2 ** (24 - SPACE.prefixlen)
+        start = int(SPACE.network_address) + index * 256
+        self.subnet = ipaddress.IPv4Network((start, 24))
         self.client_address = str(self.subnet[1])
         self.bridge_ns = f"{self.base}bridge"
         self.client_link = f"{self.base}c"
@@ -252,13 +255,6 @@ class Network:
 
     def _in(self, netns: str, *argv: str, check: bool = True) -> None:
         _run("ip", "netns", "exec", netns, *argv, check=check)
-
-
-def subnet_of(tag: str) -> ipaddress.IPv4Network:
-    """The tag's /24 of ``SPACE`` (chosen by a hash of the tag)."""
-    index = zlib.crc32(tag.encode()) % 2 ** (24 - SPACE.prefixlen)
-    start = int(SPACE.network_address) + index * 256
-    return ipaddress.IPv4Network((start, 24))
 
 
 def rate_bits(rate: str) -> int:

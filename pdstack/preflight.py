@@ -321,17 +321,15 @@ def _row(c: Check) -> list[str]:
     regions = ", ".join(
         f"{r['layout']} {r['layers']}x{r['bytes_per_block']}" for r in c.regions
     )
-    invariant = {True: "yes", False: "no", None: "-"}[c.batch_invariant]
-    gpu = f"{c.gpu} {GPUS[c.gpu][1]}" if c.gpu in GPUS else c.gpu
     return [
         c.profile,
         c.role,
-        gpu,
+        f"{c.gpu} {GPUS[c.gpu][1]}" if c.gpu in GPUS else c.gpu,
         *cells[:2],
         blocks,
         regions or "-",
         str(c.bytes_per_token or "-"),
-        invariant,
+        {True: "yes", False: "no", None: "-"}[c.batch_invariant],
         c.status,
     ]
 

@@ -105,14 +105,6 @@ def _is_complete(model_dir: Path, stamp: str) -> bool:
     )
 
 
-def _remove_stale_temps(cache_dir: Path, prefix: str) -> None:
-    """Temp dirs of killed generations; an hour old is surely not running."""
-    for path in cache_dir.glob(f"{prefix}*"):
-        with contextlib.suppress(OSError):
-            if time.time() - path.stat().st_mtime > STALE_TEMP_S:
-                shutil.rmtree(path)
-
-
 def _install(tmp: Path, final: Path, stamp: str) -> None:
     """Atomically move a finished generation into place."""
     # mkdtemp and safetensors create owner-only entries; the cache may be
@@ -148,7 +140,11 @@ def ensure_models(
         return models
     cache_dir.mkdir(parents=True, exist_ok=True)
     temp_prefix = f".{final.name}.tmp-"
-    _remove_stale_temps(cache_dir, temp_prefix)
+    # Temp dirs of killed generations: an hour old is surely not running.
+    for path in cache_dir.glob(f"{temp_prefix}*"):
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > STALE_TEMP_S:
+                shutil.rmtree(path)
     progress(f"tiny-model: generating into {final} (1-2 minutes on 2 cores)")
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix, dir=cache_dir))
     try:
