@@ -46,8 +46,7 @@ ROUTER = "router"
 ROUTER_URLS = ("PREFILL_URL", "DECODE_URL")  # its backends, in its environment
 
 # Each overlay, named after the profile it deploys (PD_PROFILE), and its compose
-# twin: the compose profiles to enable and the trio (prefill, decode, router);
-# tiny is the default trio (TCP), kimi-k2.5 the `rdma` trio.
+# twin: the compose profiles to enable and the trio (prefill, decode, router).
 OVERLAYS: dict[str, tuple[tuple[str, ...], tuple[str, str, str]]] = {
     "tiny": ((), manifests.TCP_TRIO),
     "kimi-k2.5": (("rdma",), manifests.RDMA_TRIO),
@@ -161,8 +160,7 @@ def container_env(objects: list[Object], container: Object) -> dict[str, str]:
 def compose_services(overlay: str) -> dict[str, Object]:
     """Compose's service for each workload (prefill, decode, router)."""
     compose_profiles, trio = OVERLAYS[overlay]
-    # .env and configs/ports.env as on a GPU host; the profile from the
-    # "shell", which wins over .env.
+    # .env and configs/ports.env as on a GPU host; PD_PROFILE from the "shell".
     model = manifests.compose_config(compose_profiles, env={"PD_PROFILE": overlay})
     names = zip((*SERVING, ROUTER), trio, strict=True)
     return {name: model["services"][service] for name, service in names}
@@ -844,9 +842,7 @@ def role_neutral(workload: Object) -> Object:
     """A server's pod template with what legitimately differs by role removed:
     the role names, the bootstrap server and the engine id (prefill only) and
     port numbers."""
-    text = json.dumps(workload["spec"]["template"])
-    for role in SERVING:
-        text = text.replace(role, "ROLE")
+    text = re.sub("|".join(SERVING), "ROLE", json.dumps(workload["spec"]["template"]))
     template: Object = json.loads(text)
     template["metadata"].pop("annotations", None)
     for container in template["spec"]["containers"]:
