@@ -40,24 +40,18 @@ class HostsLinkError(RuntimeError):
     pass
 
 
-def rate_bps(rate: str | None) -> float | None:
-    """A tc rate ("1gbit") in bytes per second; None unshaped."""
-    return None if rate is None else netns.rate_bits(rate) / 8
-
-
 def parse_rates(text: str) -> tuple[str | None, ...]:
     """``unshaped,1gbit,5gbit`` -> (None, "1gbit", "5gbit")."""
-    out: list[str | None] = []
-    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
-        rate = None if part == UNSHAPED else part
-        try:
-            rate_bps(rate)  # what tc would not take raises
-        except ValueError as exc:
-            raise HostsLinkError(str(exc)) from None
-        out.append(rate)
-    if not out:
+    parts = [p.strip().lower() for p in text.split(",") if p.strip()]
+    if not parts:
         raise HostsLinkError(f"no rates in {text!r} (e.g. unshaped,1gbit,5gbit)")
-    return tuple(out)
+    rates = tuple(None if part == UNSHAPED else part for part in parts)
+    try:
+        for rate in filter(None, rates):
+            netns.rate_bits(rate)  # what tc would not take raises
+    except ValueError as exc:
+        raise HostsLinkError(str(exc)) from None
+    return rates
 
 
 @dataclass
@@ -80,7 +74,8 @@ class Rate:
 
     @property
     def link_bps(self) -> float | None:
-        return rate_bps(self.rate)
+        """The tc rate in bytes per second; None unshaped."""
+        return None if self.rate is None else netns.rate_bits(self.rate) / 8
 
     @property
     def engine_vs_link(self) -> float | None:

@@ -93,11 +93,8 @@ def check_layout(
     counters: Mapping[str, float],
     layout: kv_layout.KVLayout | None,
 ) -> LayoutCheck | None:
-    """Bytes moved against whole blocks of every request's prompt.
-
-    None where the stack's layout is not known (served_layout). A mismatch
-    names its likely cause.
-    """
+    """Bytes moved against whole blocks of every request's prompt (a mismatch
+    names its likely cause); None where the layout is not known (served_layout)."""
     if layout is None:
         return None
     expected = sum(
