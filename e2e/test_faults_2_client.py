@@ -23,8 +23,6 @@ from pdstack.supervisor import Processes
 
 pytest_plugins = ["faults_stack"]
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def test_client_disconnects_in_the_middle_of_a_stream(faults: fh.FaultStack) -> None:
     max_tokens = 1000
@@ -156,7 +154,7 @@ def route(
     procs = Processes(fh.RUN_DIR, f"{name}.json", fh.progress)
     argv = [sys.executable, "-m", "pdstack.route", *args]
     # pdstack from this checkout, wherever pytest was started.
-    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    path = os.pathsep.join(filter(None, (str(twin.ROOT), os.environ.get("PYTHONPATH"))))
     procs.launch(name, argv, {**env, "PYTHONPATH": path})
     url, inner = (
         f"http://{twin.HOST}:{env[f'ROUTER_{p}PORT']}" for p in ("", "INTERNAL_")
