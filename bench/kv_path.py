@@ -163,9 +163,8 @@ class Result:
     def staging_note(self) -> str | None:
         """Why the 'staged' state was probably not staged, if so: at the
         longest prompt measured in both states, it sent as many descriptors
-        per request as 'direct' (within SAME_DESCRIPTORS) in every pass.
-        Staging sends a count set by the bytes, direct one by the free lists:
-        fresh and fragmented, they differ."""
+        per request as 'direct' (within SAME_DESCRIPTORS) in every pass
+        (docs/bench.md, "The KV path", says why they differ)."""
         both = [
             (name, a, b)
             for name in PASSES

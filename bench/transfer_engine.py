@@ -68,14 +68,12 @@ class Receiver(loopback.Endpoint):
 
     def _serve_socket(self) -> None:
         """Per transfer: 8-byte length, the bytes (into ``data``), a 1-byte ack;
-        a zero length or the sender's end closed stops it."""
+        the sender's end closed stops it."""
         conn, _ = self.listener.accept()
         with conn:
             header, view = bytearray(8), memoryview(self.data)
             while conn.recv_into(header, 8, socket.MSG_WAITALL) == 8:
                 (size,) = struct.unpack("<Q", header)
-                if size == 0:
-                    return
                 if conn.recv_into(view[:size], size, socket.MSG_WAITALL) != size:
                     raise ConnectionError("sender closed the socket mid-transfer")
                 conn.sendall(b"\x01")
@@ -223,7 +221,6 @@ def run(
                 n = sample.descriptors
                 many = f" ({n} descriptors)" if n > 1 else ""
                 progress(f"  {sample.method:<17} {size:>11} B: {gbps:6.2f} GB/s{many}")
-        sock.sendall(struct.pack("<Q", 0))
         sock.close()
     return samples
 
