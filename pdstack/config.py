@@ -107,8 +107,7 @@ def vllm_flags(role: str, profile_name: str, target_name: str) -> dict[str, Any]
         raise ConfigError(f"unknown role {role!r}; known: {', '.join(ROLES)}")
     chosen = profile(profile_name)
     per_target = chosen.get("targets", {})
-    unknown = sorted(set(per_target) - set(TARGETS))
-    if unknown:
+    if unknown := sorted(set(per_target) - set(TARGETS)):
         raise ConfigError(
             f"profile {profile_name!r}: unknown target {unknown[0]!r} under "
             f"'targets'; known: {', '.join(TARGETS)}"

@@ -238,7 +238,6 @@ class Processes:
         env: Mapping[str, str],
         url: str = "",
         again: bool = False,
-        cwd: Path | None = None,
     ) -> subprocess.Popen:
         """Start ``argv`` in its own session, output to ``<name>.log``
         (appended to ``again``), and record it."""
@@ -251,7 +250,6 @@ class Processes:
                 env={**os.environ, **env},
                 start_new_session=True,
                 stdin=subprocess.DEVNULL,
-                cwd=cwd,
             )
         self.popen[name], self.urls[name] = proc, url
         self._write({**self.records(), name: Record.of(proc.pid)})
