@@ -142,10 +142,6 @@ def summary(result: Result | None) -> dict[str, Any] | None:
 
 
 # -- the report's section -----------------------------------------------------------
-def _pair(on: float | None, off: float | None, digits: int = 0) -> str:
-    return f"{fmt(on, digits)} / {fmt(off, digits)}"
-
-
 HEAD = ("prompt", "requests on / off", "TTFT p50 on / off ms",
         "checksum's cost, ms (% of TTFT off)", "transfer p50 on / off ms")  # fmt: skip
 
@@ -159,9 +155,9 @@ def markdown(result: Result) -> list[str]:
         return [
             str(n),
             f"{len(on.ttft_ms)} / {len(off.ttft_ms)}",
-            _pair(on.p50_ttft(), off.p50_ttft()),
+            f"{fmt(on.p50_ttft(), 0)} / {fmt(off.p50_ttft(), 0)}",
             "n/a" if cost is None else f"{cost[0]:+,.0f} ({fmt_pct(cost[1])})",
-            _pair(on.p50_transfer(), off.p50_transfer(), 1),
+            f"{fmt(on.p50_transfer(), 1)} / {fmt(off.p50_transfer(), 1)}",
         ]
 
     if result.lengths():

@@ -150,8 +150,7 @@ def run(
         source_view = memoryview(source)
 
         def engine_write(src: list[int], dst: list[int], lens: list[int]) -> None:
-            code = sender.write(session, src, dst, lens)
-            if code != 0:
+            if (code := sender.write(session, src, dst, lens)) != 0:
                 raise TransferBenchError(f"batch_transfer_sync_write returned {code}")
 
         orphans = stall_guard.Orphans()
