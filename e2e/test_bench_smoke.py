@@ -27,7 +27,6 @@ from bench import kv_path, kv_transfer, report, settings
 from bench.vllm_bench import Level, Plan
 from conftest import Stack
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = 2
 INPUT_LEN = 128
 DEADLINE_S = 300.0
@@ -53,10 +52,10 @@ def run_sweep(plan: Plan, out: Path) -> None:
     """bench.vllm_bench in its own process, as `make bench` runs it."""
     plan_file = out / "plan.json"
     plan_file.write_text(json.dumps(plan.to_json()))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(settings.ROOT)}
     done = subprocess.run(
         [sys.executable, "-m", "bench.vllm_bench", str(plan_file)],
-        cwd=ROOT, env=env, timeout=DEADLINE_S, capture_output=True, text=True,
+        cwd=settings.ROOT, env=env, timeout=DEADLINE_S, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
