@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 from unittest import mock
@@ -234,9 +234,7 @@ def run_tuned(
     if not chosen:
         return []
     samples = run(chosen, repeats, TUNED_ENV, progress, methods=("engine",))
-    for sample in samples:
-        sample.method = TUNED_METHOD
-    return samples
+    return [replace(sample, method=TUNED_METHOD) for sample in samples]
 
 
 @dataclass(frozen=True)
