@@ -197,8 +197,7 @@ def with_env_overrides(
     env = os.environ if env is None else env
     out = copy.deepcopy(dict(flags))
     for var, (flag, path, kind) in ENV_OVERRIDES.items():
-        raw = env.get(var, "")
-        if not raw:
+        if not (raw := env.get(var, "")):
             continue
         try:
             value = BOOLS[raw.strip().lower()] if kind is bool else kind(raw)
@@ -247,7 +246,6 @@ def router_args(
 
 
 def _split(urls: str) -> list[str]:
-    parts = [u.strip() for u in urls.split(",") if u.strip()]
-    if not parts:
+    if not (parts := [u.strip() for u in urls.split(",") if u.strip()]):
         raise ConfigError(f"no backend URL in {urls!r}")
     return parts

@@ -382,8 +382,7 @@ def device_gpus() -> dict[str, tuple[int, int]]:
 
 def gate(profile: str, role: str, flags: Mapping[str, Any]) -> list[str]:
     """pdstack.serve's check before exec'ing vLLM: the problems (none: go on)."""
-    gpus = device_gpus()
-    if not gpus:
+    if not (gpus := device_gpus()):
         print("pdstack.preflight: no CUDA device visible; skipped", file=sys.stderr)
         return []
     checks = [

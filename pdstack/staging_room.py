@@ -18,8 +18,7 @@ def check(result: Any, flags: Mapping[str, Any], kernel: int) -> None:
     from pd_mooncake import staging  # needs torch: the serving image has it
 
     extra = (flags.get("kv-transfer-config") or {}).get("kv_connector_extra_config")
-    capacity = int((extra or {}).get(staging.KEY, 0)) << 20
-    if not capacity:
+    if not (capacity := int((extra or {}).get(staging.KEY, 0)) << 20):
         return
     block_bytes = [
         r["bytes_per_block"] for r in result.regions for _ in range(r["layers"])
