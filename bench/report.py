@@ -252,13 +252,12 @@ def markdown(run: Run, plotted: bool) -> str:
         "",
         *comparison_table(pairs),
     ]
-    failed = [
+    if failed := [
         lv
         for p in pairs
         for lv in (p.pd, p.colocated)
         if lv is not None and (lv.failed or lv.errors)
-    ]
-    if failed:
+    ]:
         out += ["", "Failed requests (servers' logs are in the run directory's stack):"]
         out += [
             f"- {TARGETS[lv.target]} {lv.input_len} x "

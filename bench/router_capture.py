@@ -122,10 +122,8 @@ def differences(
     this?) and to the direct client's (do we do the same?)."""
     problems: list[str] = []
     for key, want in PREFILL_OVERRIDES.items():
-        if prefill_leg.get(key) != want:
-            problems.append(
-                f"prefill: {key} is {prefill_leg.get(key)!r}, expected {want!r}"
-            )
+        if (got := prefill_leg.get(key)) != want:
+            problems.append(f"prefill: {key} is {got!r}, expected {want!r}")
     _check_params("prefill", prefill_leg, PREFILL_PARAMS, problems)
     _check_params("decode", decode_leg, DECODE_PARAMS, problems)
     p_params = prefill_leg.get("kv_transfer_params") or {}
