@@ -126,9 +126,6 @@ def profile_substitutions(profile: str) -> dict[str, str]:
     return config.tiny_substitutions(profile, lambda line: print(line, file=sys.stderr))
 
 
-# --- one role of one profile on one GPU -----------------------------------------
-
-
 def check(
     profile: str,
     role: str,
