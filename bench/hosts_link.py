@@ -121,8 +121,7 @@ def measure(
     with net.up():
         host = net[HOST]
         for rate in rates:
-            result = Rate(rate, size, repeats)
-            out.append(result)
+            out.append(result := Rate(rate, size, repeats))
             progress(f"  link {result.label} ({net.client_address} -> {host.address})")
             try:
                 net.shape(HOST, rate)

@@ -104,8 +104,7 @@ def _serve(
             enter_netns(netns)
         obj = cls(*args)
         conn.send((True, None))
-        while (message := conn.recv()) is not None:
-            name, call_args = message
+        for name, call_args in iter(conn.recv, None):
             conn.send((True, getattr(obj, name)(*call_args)))
     except Exception as exc:
         conn.send((False, f"{type(exc).__name__}: {exc}"))
