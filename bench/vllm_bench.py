@@ -160,11 +160,8 @@ def run(plan: Plan) -> int:
         argv = shlex.join(["vllm", "bench", "serve", *bench_serve_args(plan, level)])
         print(f"\n{head}\n[bench] {argv}", flush=True)
         before = kv_transfer.scrape(level.prefill_url) if level.prefill_url else None
-        decode_before = (
-            kv_transfer.scrape(level.decode_url)
-            if level.decode_url and level.kv_file
-            else None
-        )
+        decode = level.decode_url if level.kv_file else None
+        decode_before = kv_transfer.scrape(decode) if decode else None
         start = time.monotonic()
         try:
             status = _run_level(parser, plan, level, timeout)
