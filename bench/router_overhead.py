@@ -149,8 +149,7 @@ def measure_on_stubs(
 
 def p50_interval(overhead: Overhead) -> tuple[float, float]:
     """95% bootstrap interval of p50(router) - p50(direct), over RESAMPLES."""
-    router = np.asarray(overhead.router_ms)
-    direct = np.asarray(overhead.direct_ms)
+    router, direct = np.asarray(overhead.router_ms), np.asarray(overhead.direct_ms)
     if len(router) < 2 or len(direct) < 2:
         return float("nan"), float("nan")
     rng = np.random.default_rng(0)
