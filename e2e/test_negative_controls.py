@@ -98,7 +98,7 @@ def corrupted(
     error), prefill's and decode's deltas (decode's once it counted each
     region's checksum verdicts, or 1 s with the checksum off) and the number
     of regions."""
-    regions = sum(r.layers for r in layout.regions)
+    regions = layout.layers
     verdicts = 4 * regions if checksum_on else 0
 
     def run(name: str, salt: int) -> Corrupted:
@@ -214,7 +214,7 @@ def test_switch_off_restores_exact_output(
     verdict = stack.judge(expected, got, "after the fault")
     assert verdict.ok, verdict.describe()
     if checksum_on:
-        regions = sum(r.layers for r in layout.regions)
+        regions = layout.layers
         delta = m.settle(
             stack.decode, before, lambda d: d.total(m.CHECKSUM_MATCH) >= regions
         )

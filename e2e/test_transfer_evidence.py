@@ -105,7 +105,7 @@ def test_a_staged_transfer_takes_few_descriptors(
     landed_phases = decode.by_label(m.STAGING_SECONDS, "phase")
     assert sent_phases.get("gather", 0) > 0 and sent_phases.get("write", 0) > 0
     assert landed_phases.get("scatter", 0) > 0
-    regions = sum(r.layers for r in layout.regions)
+    regions = layout.layers
     record = staging.record_bytes([0] * (blocks * regions)) + prefill.total(m.BYTES)
     most = -(-record // staging.CHUNK_BYTES)
     descriptors = prefill.total(m.DESCRIPTORS)
