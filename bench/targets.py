@@ -111,13 +111,6 @@ def _stall_target(pairs: Sequence[Pair]) -> Target:
     return Target(name, "0", measured, total == 0, "", miss)
 
 
-def _interval(pair: Sequence[Any]) -> tuple[float, float] | None:
-    low, high = pair
-    if low is None or high is None or math.isnan(low) or math.isnan(high):
-        return None
-    return float(low), float(high)
-
-
 def _router_met(real: Sequence[Any], stubs: Sequence[Any]) -> bool | None:
     """Met only where a 95% interval of the p50 overhead lies wholly within
     the target, missed where one lies wholly above it, else unresolved (None).
@@ -128,9 +121,11 @@ def _router_met(real: Sequence[Any], stubs: Sequence[Any]) -> bool | None:
     stack's lower bound alone (on a noisy host it is below any target).
     """
     target_ms = ROUTER_P50_TARGET_MS
-    for iv in (_interval(real), _interval(stubs)):
-        if iv is not None and (iv[0] > target_ms or iv[1] <= target_ms):
-            return iv[0] <= target_ms
+    for low, high in (real, stubs):
+        if low is None or high is None or math.isnan(low) or math.isnan(high):
+            continue
+        if low > target_ms or high <= target_ms:
+            return low <= target_ms
     return None
 
 
