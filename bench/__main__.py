@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -35,10 +36,7 @@ OPTIONS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
     ("checksum", "--layout",
      "--digest-only: a run's kv_layout.json (default: the twin's)", {"type": Path}),
 )  # fmt: skip
-
-
-def show(line: str) -> None:
-    print(line, flush=True)
+show = functools.partial(print, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
