@@ -114,28 +114,21 @@ class HostsTwin:
         or without ``wait_healthy`` its health deadline (to wait for it later)."""
         host = self.net[name]
         role = role_of(name)
-        if role == ROUTER:
-            u = supervisor.Urls(
-                router=self.url(name),
-                prefill=self._by_name("prefill"),
-                decode=self._by_name("decode"),
-                bootstrap_port=self.ports.bootstrap,
+        # Urls' fields in order: router, prefill, decode, bootstrap_port.
+        by_name = map(self._by_name, config.ROLES)
+        u = supervisor.Urls(self.router, *by_name, self.ports.bootstrap)
+        # serve reads site overrides (PD_ENGINE_ID) from the environment, as
+        # inside a container; the router listens on its host's address.
+        site = {"PD_ENGINE_ID": name} if role == "prefill" else {}
+        bind = host.address if role == ROUTER else "0.0.0.0"
+        with mock.patch.dict(os.environ, site):
+            argv, env, deadline = supervisor.role_command(
+                role, u, self.profile, bind, self.router_extra
             )
-            argv = supervisor.router_command(u, self.router_extra, host=host.address)
-            env: dict[str, str] = {}
-            deadline = supervisor.ROUTER_DEADLINE_S
-        else:
-            from pdstack.serve import command
-
-            # serve reads site overrides (PD_ENGINE_ID) from the environment,
-            # as inside a container.
-            site = {"PD_ENGINE_ID": name} if role == "prefill" else {}
-            with mock.patch.dict(os.environ, site):
-                argv, env = command(role, self.profile, "cpu", "0.0.0.0")
+        if role != ROUTER:
             # The host's own address, not the twin's loopback pin.
             extra = (self.role_env or {}).get(role, {})
             env = {**env, **extra, "VLLM_HOST_IP": host.address}
-            deadline = supervisor.SERVER_DEADLINE_S
         self.procs.launch(
             name, [*host.exec_prefix(), *argv], env, self.url(name), again
         )

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from pdstack import config, wait
+from pdstack import config, serve, wait
 
 HOST = "127.0.0.1"
 # A cold start on 2 cores takes about a minute per server; leave room.
@@ -79,6 +79,16 @@ def router_command(
         ),
         *extra,
     ]
+
+
+def role_command(
+    role: str, u: Urls, profile: str, host: str, router_extra: Iterable[str] = ()
+) -> tuple[list[str], dict[str, str], float]:
+    """On the CPU, listening on ``host``: vllm-router for ``u`` or one server
+    of ``profile`` (``pdstack.serve``); its argv, environment, health deadline."""
+    if role == "router":
+        return router_command(u, router_extra, host=host), {}, ROUTER_DEADLINE_S
+    return *serve.command(role, profile, "cpu", host), SERVER_DEADLINE_S
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from pdstack import config, supervisor, wait
-from pdstack.supervisor import HOST, ROUTER_DEADLINE_S, SERVER_DEADLINE_S, Urls, urls
+from pdstack.supervisor import HOST, Urls, urls
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_DIR = Path(os.environ.get("PD_RUN_DIR", ROOT / "run" / "twin"))
@@ -41,14 +41,9 @@ def _launch(
     again: bool = False,
 ) -> float:
     """Start ``role`` on the twin's ports; returns its health deadline."""
-    if role == "router":
-        argv, role_env = supervisor.router_command(u, router_extra or ()), {}
-        deadline = ROUTER_DEADLINE_S
-    else:
-        from pdstack.serve import command
-
-        argv, role_env = command(role, profile, "cpu", HOST)
-        deadline = SERVER_DEADLINE_S
+    argv, role_env, deadline = supervisor.role_command(
+        role, u, profile, HOST, router_extra or ()
+    )
     procs.launch(role, argv, {**role_env, **(env or {})}, getattr(u, role), again)
     return deadline
 
