@@ -284,8 +284,7 @@ def test_report_flags_a_layout_mismatch(run_dir: Path) -> None:
     """Negative control: one block too many in a recorded level is reported."""
     kv_file = next((run_dir / "raw").glob("pd-*.kv.json"))
     data = json.loads(kv_file.read_text())
-    data["bytes"] += BLOCK
-    kv_file.write_text(json.dumps(data))
+    kv_file.write_text(json.dumps(data | {"bytes": data["bytes"] + BLOCK}))
     summary, text = built(run_dir)
     assert summary["layout_checks_ok"] is False
     assert "MISMATCH" in text
@@ -308,8 +307,7 @@ def test_targets_are_judged_by_their_numbers() -> None:
     assert all(t.met is None for t in judge([], None, [], None))
     # Stalls: any resent send in the sweep misses, naming its level.
     assert judge([fast], None, [], None)[5].met is True
-    stalled = pair(seconds=0.4, retried_transfers=2)
-    verdict = judge([fast, stalled], None, [], None)[5]
+    verdict = judge([fast, pair(seconds=0.4, retried_transfers=2)], None, [], None)[5]
     assert verdict.met is False and "4096 tokens x 1: 2" in verdict.measured
 
 
@@ -353,12 +351,10 @@ def test_settings_parsers() -> None:
     assert settings.parse_size("64K") == 65536
     assert settings.parse_sizes("64K,256M") == (65536, 256 << 20)
     assert settings.parse_ints("1,4,16") == (1, 4, 16)
-    for bad in ("12X", "", "-1"):
+    bad = [(settings.parse_sizes, text) for text in ("12X", "", "-1")]
+    for parse, text in bad + [(settings.parse_ints, t) for t in ("1,a", "0", "")]:
         with pytest.raises(settings.SettingsError):
-            settings.parse_sizes(bad)
-    for bad in ("1,a", "0", ""):
-        with pytest.raises(settings.SettingsError):
-            settings.parse_ints(bad)
+            parse(text)
 
 
 def test_levels_respect_the_token_budget_cheapest_first() -> None:
@@ -406,8 +402,7 @@ def write_request(stem: Path, kv: dict[str, float], length: int, **ttft: float) 
 def write_checksum_pass(
     run_dir: Path, state: str, ttft_ms: dict[int, list[float]], enabled: float
 ) -> None:
-    """One pass as the bench leaves it: per request a single-request level and
-    its transfer counters; decode's checksum series."""
+    """One pass as the bench leaves it (per request a level and its counters)."""
     where = kv_checksum.pass_dir(run_dir, state)
     where.mkdir(parents=True)
     for length, values in ttft_ms.items():
@@ -525,10 +520,8 @@ def write_kv_path_run(
     cells: dict[tuple[str, str], Any] = KV_PATHS,
     phases: bool = True,
 ) -> None:
-    """A KV path run as the bench leaves it: per state and pass, single-request
-    levels (vllm bench serve's keys) with their transfer counters and staging
-    phases (none at all: not ``phases``, a run from before they were
-    recorded); per state the burst's level and state.json; the engine alone."""
+    """A KV path run as the bench leaves it; not ``phases``: a run from before
+    the staging phases were recorded."""
     for (state, name), by_len in cells.items():
         where = kv_path.state_dir(run_dir, state)
         (where / name).mkdir(parents=True, exist_ok=True)
@@ -591,8 +584,7 @@ def test_report_breaks_staged_sends_down_by_phase(run_dir: Path) -> None:
     (it did not fit) is left out of the p50s and the staged count."""
     write_kv_path_run(run_dir)
     kv = run_dir / "kv_path" / "staged" / "fresh" / "pd-in4096-c1-r2.kv.json"
-    data = json.loads(kv.read_text())
-    kv.write_text(json.dumps(data | dict.fromkeys(
+    kv.write_text(json.dumps(json.loads(kv.read_text()) | dict.fromkeys(
         ("gather_seconds", "write_seconds", "scatter_seconds"), 0.0)))  # fmt: skip
     summary, text = built(run_dir)
     assert ("| state | pass | prompt | staged requests | gather p50 ms | "
@@ -643,8 +635,7 @@ def test_decode_phases_settle_like_prefills_counters(
     got = kv_phases.settle_decode("http://d", snap(0, 0), 1, 20.0)
     assert got == {"scatter_seconds": 0.02, kv_phases.LOADED: 1023,
                    kv_phases.FAILED: 0}  # fmt: skip
-    both = staging(gather=0.003, write=0.021)
-    assert kv_phases.totals(both, kv_phases.PREFILL) == {
+    assert kv_phases.totals(staging(gather=0.003, write=0.021), kv_phases.PREFILL) == {
         "gather_seconds": 0.003, "write_seconds": 0.021}  # fmt: skip
     assert kv_phases.staged({"gather_seconds": 0.0, "scatter_seconds": 0.0}) is False
     assert kv_phases.staged({"seconds": 0.1}) is None
