@@ -274,21 +274,18 @@ def summary(
 ) -> dict[str, Any] | None:
     if result is None:
         return None
-    rows = []
-    for state, name, n, cell in _cells(result):
-        engine = vs_engine(cell, comparisons)
-        rows.append({
-            "state": state, "pass": name, "input_len": n,
-            "requests": len(cell.requests),
-            "descriptors_p50": cell.counter("descriptors"),
-            "bytes_p50": cell.counter("bytes"), "transfer_ms_p50": cell.transfer_ms(),
-            "mb_per_s_p50": cell.mb_per_s(), "ttft_ms_p50": cell.ttft_ms(),
-            "share_of_ttft": cell.share(),
-            "vs_engine_bulk": engine[0] if engine else None,
-            "vs_engine_chunked": vs_chunked(cell, comparisons),
-            "staged_requests": cell.staged(),
-            **{f"{p}_ms_p50": cell.phase_ms(p) for p in kv_phases.PHASES},
-        })  # fmt: skip
+    rows = [{
+        "state": state, "pass": name, "input_len": n,
+        "requests": len(cell.requests),
+        "descriptors_p50": cell.counter("descriptors"),
+        "bytes_p50": cell.counter("bytes"), "transfer_ms_p50": cell.transfer_ms(),
+        "mb_per_s_p50": cell.mb_per_s(), "ttft_ms_p50": cell.ttft_ms(),
+        "share_of_ttft": cell.share(),
+        "vs_engine_bulk": bulk[0] if (bulk := vs_engine(cell, comparisons)) else None,
+        "vs_engine_chunked": vs_chunked(cell, comparisons),
+        "staged_requests": cell.staged(),
+        **{f"{p}_ms_p50": cell.phase_ms(p) for p in kv_phases.PHASES},
+    } for state, name, n, cell in _cells(result)]  # fmt: skip
     return {"cells": rows, "states": result.states, "bursts": result.bursts,
             "staging_note": result.staging_note()}  # fmt: skip
 
