@@ -39,7 +39,6 @@ SERVERS = {
     for name, role in zip(trio[:2], config.ROLES, strict=True)
 }
 ROUTERS = {trio[2]: trio[:2] for trio in TRIOS}
-STACK = set(SERVERS) | set(ROUTERS)
 # What may be published on the host, and where.
 PUBLISHED_OK = {"router": "ROUTER_PORT"}
 LOOPBACK_ONLY = {"grafana"}
@@ -68,7 +67,7 @@ each_profile_set = pytest.mark.parametrize(
 
 def healthcheck_violations(model: Mapping[str, Any]) -> list[str]:
     problems = []
-    for name in STACK & set(model["services"]):
+    for name in model["services"].keys() & {*SERVERS, *ROUTERS}:
         check = model["services"][name].get("healthcheck") or {}
         test = check.get("test") or []
         words = test[1:] if test and test[0] == "CMD" else " ".join(test[1:]).split()
@@ -396,12 +395,10 @@ def test_every_knob_is_documented_in_dotenv() -> None:
     raw = compose_config(PROFILES, options=["--no-normalize"])
     for service in raw["services"].values():
         used.update(dict.fromkeys((service.get("build") or {}).get("args") or {}))
-    for name, default in used.items():
-        if name in ports():
-            continue
+    for name in sorted(used.keys() - ports().keys()):
         assert name in documented, f"{name} is used by compose but not in .env"
-        if default is not None and documented[name]:
-            assert documented[name] == default, f"{name}: .env and compose disagree"
+        if used[name] is not None and documented[name]:
+            assert documented[name] == used[name], f"{name}: .env and compose disagree"
 
 
 def test_dotenv_holds_no_secret_values() -> None:
@@ -428,13 +425,10 @@ DEVICE_DIFFERENCES = {
 
 
 def test_documented_device_differences_are_the_target_files() -> None:
-    targets = {
-        key for name in config.TARGETS for key in config.target(name).get("vllm", {})
-    }
-    for name in MODEL_PROFILES:
-        for settings in config.profile(name).get("targets", {}).values():
-            targets |= set(settings or {})
-    assert targets == DEVICE_DIFFERENCES
+    vllm = [config.target(name).get("vllm", {}) for name in config.TARGETS]
+    profiles = [config.profile(name).get("targets", {}) for name in MODEL_PROFILES]
+    per_target = [settings or {} for p in profiles for settings in p.values()]
+    assert set().union(*vllm, *per_target) == DEVICE_DIFFERENCES
 
 
 def flag_differences(gpu: Mapping[str, Any], cpu: Mapping[str, Any]) -> set[str]:
@@ -619,8 +613,7 @@ def test_compose_keeps_servers_private_non_root_and_secrets_out(
     default = published(compose_config((), env))
     internal = {ports()[k] for k in ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT")}
     exposed = {port for entries in default.values() for _, port, _ in entries}
-    leaked = [name for name, value in secrets.items() if value in rendered]
     assert problems == []
     assert [name for name, entries in default.items() if entries] == ["router"]
     assert not internal & exposed
-    assert leaked == []
+    assert [name for name, value in secrets.items() if value in rendered] == []
