@@ -49,9 +49,8 @@ def test_tensor_parallel_copies_the_latent_and_splits_kv_heads() -> None:
 
 def test_nested_text_config_is_read() -> None:
     wrapped = {"architectures": ["X"], "text_config": MLA_TARGET}
-    assert kv_layout.layout(wrapped, None, "bfloat16", 64) == kv_layout.layout(
-        MLA_TARGET, None, "bfloat16", 64
-    )
+    want = kv_layout.layout(MLA_TARGET, None, "bfloat16", 64)
+    assert kv_layout.layout(wrapped, None, "bfloat16", 64) == want
 
 
 def test_served_reads_the_servers_labels() -> None:

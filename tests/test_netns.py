@@ -52,16 +52,25 @@ def connect_from(host: netns.Host, address: str, port: int, t_s: float = 3) -> s
 
 
 @contextlib.contextmanager
-def listener(host: netns.Host, address: str) -> Iterator[int]:
-    argv = [*host.exec_prefix(), sys.executable, "-c", SERVE, address]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+def started(
+    host: netns.Host, code: str, *args: object, **kw: object
+) -> Iterator[subprocess.Popen[str]]:
+    """``code`` running in ``host`` once it has printed; killed at the end."""
+    argv = [*host.exec_prefix(), sys.executable, "-c", code, *map(str, args)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, **kw)
     try:
-        assert select.select([proc.stdout], [], [], T_S)[0], "listener silent"
-        assert proc.stdout is not None
-        yield int(proc.stdout.readline())
+        assert select.select([proc.stdout], [], [], T_S)[0], "silent"
+        yield proc
     finally:
         proc.kill()
         proc.wait(T_S)
+
+
+@contextlib.contextmanager
+def listener(host: netns.Host, address: str) -> Iterator[int]:
+    with started(host, SERVE, address) as proc:
+        assert proc.stdout is not None
+        yield int(proc.stdout.readline())
 
 
 def leftovers(net: netns.Network) -> list[str]:
@@ -130,16 +139,9 @@ def test_readdress_moves_the_name_to_a_new_address(net: netns.Network) -> None:
     inode = hosts.stat().st_ino
     # A process of host a that runs across the move, resolving after it.
     code = "import socket; print(1, flush=True); print(socket.gethostbyname(input()))"
-    argv = [*a.exec_prefix(), sys.executable, "-c", code]
-    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
-    reader = subprocess.Popen(argv, **pipes)
-    try:
-        assert select.select([reader.stdout], [], [], T_S)[0]  # in host a now
+    with started(a, code, stdin=subprocess.PIPE) as reader:  # in host a now
         new = net.readdress("b")
         out = reader.communicate("b\n", timeout=T_S)[0]
-    finally:
-        reader.kill()
-        reader.wait(T_S)
     assert new != old and b.address == new
     assert out.split() == ["1", new]
     assert hosts.stat().st_ino == inode

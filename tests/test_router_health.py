@@ -60,10 +60,8 @@ class Stubs:
             return web.Response()
 
         async def query(request: web.Request) -> web.Response:
-            worker = {"0": {"0": "tcp://127.0.0.1:1"}}
-            return web.json_response(
-                {"0": {"engine_id": "stub", "worker_addr": worker}}
-            )
+            addr = {"0": {"0": "tcp://127.0.0.1:1"}}
+            return web.json_response({"0": {"engine_id": "stub", "worker_addr": addr}})
 
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
