@@ -124,9 +124,6 @@ def port_numbers_in(paths: Iterable[Path]) -> dict[Path, set[str]]:
     """configs/ports.env's numbers written into other files (comments aside):
     each port must have its one home."""
     numbers = set(ports().values())
-    found = {}
-    for path in paths:
-        text = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
-        if hits := numbers & set(re.findall(r"\b\d{4,5}\b", text)):
-            found[path] = hits
-    return found
+    texts = {path: re.sub("#.*", "", path.read_text()) for path in paths}
+    found = {p: numbers & set(re.findall(r"\b\d{4,5}\b", t)) for p, t in texts.items()}
+    return {path: hits for path, hits in found.items() if hits}
