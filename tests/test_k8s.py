@@ -148,9 +148,7 @@ def container_env(objects: list[Object], container: Object) -> dict[str, str]:
             case {"valueFrom": {"fieldRef": {"fieldPath": path}}}:
                 env[name] = f"<field {path}>"
             case _:
-                raise AssertionError(
-                    f"unsupported env source {item}: extend container_env"
-                )
+                pytest.fail(f"unsupported env source {item}: extend container_env")
     return env
 
 
@@ -819,12 +817,11 @@ def test_router_comparison_catches_drift() -> None:
 
 @each_overlay
 def test_start_budgets_shm_and_grace_period_cover_compose(overlay: str) -> None:
-    services = compose_services(overlay)
     objects = render(overlay)
     found = workloads(objects)
     budgets = []
     for role in SERVING:
-        spec, service = pod(found[role]), services[role]
+        spec, service = pod(found[role]), compose_services(overlay)[role]
         probe = main_container(found[role])["startupProbe"]
         budget = float(probe["failureThreshold"] * probe.get("periodSeconds", 10))
         assert budget >= duration_s(service["healthcheck"]["start_period"]), role
