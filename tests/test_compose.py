@@ -453,8 +453,7 @@ def test_gpu_server_environment_equals_the_cpu_twin_except_target_env(
     bootstrap = int(ports()["BOOTSTRAP_PORT"])
     gpu = config.server_env(role, "gpu", bootstrap)
     cpu = config.server_env(role, "cpu", bootstrap)
-    cpu_only = set(config.target("cpu").get("env", {}))
-    assert flag_differences(gpu, cpu) <= cpu_only
+    assert flag_differences(gpu, cpu) <= set(config.target("cpu").get("env", {}))
 
 
 def test_flag_comparison_catches_an_extra_difference() -> None:
@@ -586,9 +585,7 @@ def test_grafana_provisioning_matches_the_mounts() -> None:
     assert (DASHBOARDS / Path(home).name).is_file()
 
 
-def test_compose_keeps_servers_private_non_root_and_secrets_out(
-    tmp_path: Path,
-) -> None:
+def test_compose_keeps_servers_private_non_root_and_secrets_out(tmp_path: Path) -> None:
     """With real secret files, in the model of every profile combination:
     only the router is published, no service runs as root or privileged, and
     no secret value reaches the rendered output (the images' final USER:

@@ -37,13 +37,10 @@ PINS = {
     "MOONCAKE_VERSION": ("mooncake-transfer-engine-non-cuda", "{}"),
     "VLLM_ROUTER_VERSION": ("vllm-router", "{}"),
 }
-OCI_LABELS = (
-    "org.opencontainers.image.title",
-    "org.opencontainers.image.description",
-    "org.opencontainers.image.licenses",
-    "org.opencontainers.image.base.name",
-    "org.opencontainers.image.version",
-)
+OCI_LABELS = [
+    f"org.opencontainers.image.{key}"
+    for key in ("title", "description", "licenses", "base.name", "version")
+]
 
 
 # --- reading Dockerfiles -------------------------------------------------------
