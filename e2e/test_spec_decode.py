@@ -28,9 +28,8 @@ def test_drafts_are_proposed_and_accepted_as_colocated(
     stack: Stack, probes: list[tiny_model.Probe]
 ) -> None:
     # Probes of different lengths: short ones first, then a long one.
-    chosen = sorted(probes, key=lambda p: len(p.prompt))
-    for probe in (chosen[0], chosen[len(chosen) // 2], chosen[-1]):
-        prompt = probe.prompt
+    chosen = sorted((p.prompt for p in probes), key=len)
+    for prompt in (chosen[0], chosen[len(chosen) // 2], chosen[-1]):
         ref_drafts, ref_accepted = accepted(stack.reference, stack.reference, prompt)
         pd_drafts, pd_accepted = accepted(stack.decode, stack.router, prompt)
         print(
