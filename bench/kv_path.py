@@ -328,6 +328,14 @@ def markdown(
             fmt_pct(vs_chunked(cell, comparisons)),
         ]  # fmt: skip
 
+    def phase_cells(row: tuple[str, str, int, Cell]) -> list[str]:
+        state, name, n, cell = row
+        staged = cell.staged()
+        blank = "n/a" if staged is None else None if staged else "-"
+        phases = [blank or fmt(cell.phase_ms(p), 1) for p in kv_phases.PHASES]
+        return [state, name, str(n), "n/a" if staged is None else str(staged), *phases,
+                fmt(cell.transfer_ms(), 1), fmt(cell.ttft_ms(), 0)]  # fmt: skip
+
     rows = _cells(result)
     out = [
         "Per state a stack just (re)started: 'staged' with the environment as "
@@ -342,8 +350,19 @@ def markdown(
         "",
         *(table(HEAD, map(cells, rows)) if rows else ["No request completed."]),
         "",
-        *(_phase_table(rows) if rows else []),
     ]
+    if rows:
+        out += [
+            "Per phase of a staged send (bench.kv_phases): gather (prefill: blocks "
+            "into its staging buffer), write (prefill: the record to decode's "
+            "staging buffer in 1 MiB descriptors), scatter (decode: the record into "
+            "its blocks); p50 ms over the requests sent staged, '-' where none was "
+            "(direct sends have no phases), n/a where the run recorded none. "
+            "Prefill's transfer spans gather and write; the scatter adds to TTFT.",
+            "",
+            *table(PHASE_HEAD, map(phase_cells, rows)),
+            "",
+        ]
     for state in STATES:
         data = result.states.get(state, {})
         setting = (data.get("env") or {}).get(ENV)
@@ -363,31 +382,6 @@ def markdown(
     if note := result.staging_note():
         out.append(f"- {note}")
     return out
-
-
-def _phase_table(rows: Sequence[tuple[str, str, int, Cell]]) -> list[str]:
-    """Per cell the staged sends' phases (p50 over the staged requests)
-    beside the transfer and TTFT p50s; "-": no request was staged."""
-
-    def cells(row: tuple[str, str, int, Cell]) -> list[str]:
-        state, name, n, cell = row
-        staged = cell.staged()
-        blank = "n/a" if staged is None else None if staged else "-"
-        phases = [blank or fmt(cell.phase_ms(p), 1) for p in kv_phases.PHASES]
-        return [state, name, str(n), "n/a" if staged is None else str(staged), *phases,
-                fmt(cell.transfer_ms(), 1), fmt(cell.ttft_ms(), 0)]  # fmt: skip
-
-    return [
-        "Per phase of a staged send (bench.kv_phases): gather (prefill: blocks "
-        "into its staging buffer), write (prefill: the record to decode's "
-        "staging buffer in 1 MiB descriptors), scatter (decode: the record into "
-        "its blocks); p50 ms over the requests sent staged, '-' where none was "
-        "(direct sends have no phases), n/a where the run recorded none. "
-        "Prefill's transfer spans gather and write; the scatter adds to TTFT.",
-        "",
-        *table(PHASE_HEAD, map(cells, rows)),
-        "",
-    ]
 
 
 def _span(values: Sequence[int]) -> str:
