@@ -24,7 +24,6 @@ import pytest
 from pdstack import config, serve
 from pdstack.compose import PORTS_ENV
 from pdstack.compose import cli as compose_cli  # the shell's environment left out
-from pdstack.config import read_env_file
 
 # Names that hold a secret; those ending in a suffix name a file holding it.
 SECRET_NAME = re.compile(r"TOKEN|API_KEY|PASSWORD|SECRET|CREDENTIAL", re.IGNORECASE)
@@ -39,7 +38,7 @@ KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 def ports() -> dict[str, str]:
-    return read_env_file(PORTS_ENV)
+    return config.read_env_file(PORTS_ENV)
 
 
 def tool(name: str) -> Path:
