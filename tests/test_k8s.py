@@ -303,15 +303,13 @@ def selects(selector: Object, labels: Mapping[str, str]) -> bool:
 def network_violations(objects: list[Object]) -> Iterator[str]:
     """Prefill and decode take ingress only from the stack's own pods."""
     pods = {name: pod_labels(w) for name, w in workloads(objects).items()}
-    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    policies = [o["spec"] for o in objects if o["kind"] == "NetworkPolicy"]
     for name in SERVING:
-        selecting = [
-            p for p in policies if selects(p["spec"]["podSelector"], pods[name])
-        ]
-        if not any("Ingress" in p["spec"].get("policyTypes", []) for p in selecting):
+        selecting = [p for p in policies if selects(p["podSelector"], pods[name])]
+        if not any("Ingress" in p.get("policyTypes", []) for p in selecting):
             yield f"{name}: no NetworkPolicy restricts its ingress"
         for policy in selecting:
-            for rule in policy["spec"].get("ingress", []):
+            for rule in policy.get("ingress", []):
                 peers = rule.get("from") or []
                 if not peers:
                     yield f"{name}: an ingress rule admits every source"
