@@ -62,7 +62,6 @@ class LevelResult:
             raise ReportError(f"unknown target {target!r}")
         values = {key: float(data[key]) for key, _ in METRICS
                   if completed and data.get(key) is not None}  # fmt: skip
-        mean_ttft = data.get("mean_ttft_ms")
         return cls(
             target=target,
             input_len=input_len,
@@ -70,7 +69,7 @@ class LevelResult:
             completed=completed,
             failed=int(data.get("failed", 0)),
             values=values,
-            mean_ttft_ms=float(mean_ttft) if mean_ttft else None,
+            mean_ttft_ms=float(ttft) if (ttft := data.get("mean_ttft_ms")) else None,
             input_lens=kv_transfer.from_result(data),
             errors=[str(e) for e in data.get("errors") or [] if e],
         )

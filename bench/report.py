@@ -74,9 +74,8 @@ def comparison_table(pairs: Sequence[Pair]) -> list[str]:
 
 def kv_table(pairs: Sequence[Pair], model: kv_layout.KVLayout | None) -> list[str]:
     def cells(pair: Pair, cost: kv_transfer.TransferCost) -> list[str]:
-        check = pair.layout(model)
         verdict = "n/a (no layout model)"
-        if check is not None:
+        if (check := pair.layout(model)) is not None:
             verdict = ("OK: " if check.ok else "MISMATCH: ") + check.detail
         return [
             str(pair.input_len), str(pair.concurrency),
@@ -213,8 +212,7 @@ def summary(run: Run) -> dict[str, Any]:
 
 
 def build(run_dir: Path) -> dict[str, Any]:
-    """Compute the summary of a run directory and write report.md, report.png,
-    summary.json. Returns the summary."""
+    """Write report.md, report.png and summary.json; returns the summary."""
     run = Run.read(run_dir)
     data = summary(run)
     (run_dir / "summary.json").write_text(json.dumps(data, indent=1, default=str))
@@ -224,7 +222,6 @@ def build(run_dir: Path) -> dict[str, Any]:
 
 
 def section(title: str, body: Sequence[str]) -> list[str]:
-    """A report section: a blank line, its heading, a blank line, ``body``."""
     return ["", f"## {title}", "", *body]
 
 
@@ -237,8 +234,7 @@ def markdown(run: Run, plotted: bool) -> str:
     if meta.get("machine"):
         out += [f"Machine: {meta['machine']}", ""]
     out += ["## Targets", "", *targets_table(checks)]
-    missed = [t for t in checks if t.met is False and t.advice]
-    if missed:
+    if missed := [t for t in checks if t.met is False and t.advice]:
         out += ["", "Where a target is missed:", ""]
         out += [f"- **{t.name}**: {t.advice}" for t in missed]
     out += [

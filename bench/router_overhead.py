@@ -84,18 +84,16 @@ def measure(
     warmup: int = 3,
     progress: router_capture.Progress = print,
 ) -> Overhead:
-    """Alternate router and direct requests on the same prompts."""
     engine = router_capture.engine_id(bootstrap)
     via_router = Connection(router_url)
     to_prefill, to_decode = Connection(prefill_url), Connection(decode_url)
     conns = (via_router, to_prefill, to_decode)
-    path = "/v1/completions"
     result = Overhead()
     last_note = time.monotonic()
 
     def timed(conn: Connection, data: bytes) -> float:
         start = time.perf_counter()
-        conn.post(path, data)
+        conn.post("/v1/completions", data)
         return (time.perf_counter() - start) * 1e3
 
     try:

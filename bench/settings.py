@@ -120,7 +120,6 @@ class Settings:
         return max(self.min_prompts, concurrency)
 
 
-# A 0/1 option's type.
 SWITCH = (0, 1)
 URL_NAMES = ("router", "prefill", "decode", "colocated")
 # (flag, variable giving its default, default, type, help): a type of None is
@@ -180,8 +179,7 @@ def add_arguments(
 ) -> None:
     env = os.environ if env is None else env
     for flag, var, default, kind, text in OPTIONS:
-        value = env.get(var, "")
-        value = value if value.strip() else default  # blanks count as unset
+        value = v if (v := env.get(var, "")).strip() else default  # blanks: unset
         number = int if kind is SWITCH else kind
         parser.add_argument(
             flag,

@@ -120,17 +120,15 @@ def _router_met(real: Sequence[Any], stubs: Sequence[Any]) -> bool | None:
     stack's noise cannot. A point figure never decides, nor does the real
     stack's lower bound alone (on a noisy host it is below any target).
     """
-    target_ms = ROUTER_P50_TARGET_MS
     for low, high in (real, stubs):
         if low is None or high is None or math.isnan(low) or math.isnan(high):
             continue
-        if low > target_ms or high <= target_ms:
-            return low <= target_ms
+        if low > ROUTER_P50_TARGET_MS or high <= ROUTER_P50_TARGET_MS:
+            return low <= ROUTER_P50_TARGET_MS
     return None
 
 
 def _router_target(overhead: Mapping[str, Any] | None) -> Target:
-    """Judged by the intervals of the real stack and of the stubs (_router_met)."""
     name = "Router overhead p50"
     target = f"<= {ROUTER_P50_TARGET_MS:g} ms"
     if not overhead:
