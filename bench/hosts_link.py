@@ -3,12 +3,9 @@ over the same link, unshaped and shaped (``python -m bench hosts-link``);
 docs/bench.md ("What runs", step 1) describes the hosts and the link.
 
 The measurement is bench.transfer_engine's ``engine`` and ``socket``,
-unchanged: the receiver in host ``recv``'s network namespace (pdstack.netns),
-the sender here, each rate set by ``Network.shape``. Where the socket
-reaches ``LINK_LIMITED`` of the shaped rate, the link is the limit and the
-engine is judged against it; where the socket does not, the CPU is (2 cores:
-sender, receiver and the kernel's veth/bridge work share them), and the
-engine is reported, not judged.
+unchanged. Where the socket falls short of ``LINK_LIMITED`` of the shaped
+rate, the CPU is the limit (2 cores: sender, receiver and the kernel's
+veth/bridge work share them), so the engine is reported, not judged.
 """
 
 from __future__ import annotations

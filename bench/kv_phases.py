@@ -1,11 +1,8 @@
 """The phases of a staged KV send (pd_mooncake.staging), per request, from
 both servers' ``pdstack.metrics.STAGING_SECONDS`` (label ``phase``): gather
-and write on prefill, scatter on decode; docs/bench.md ("The KV path") says
+and write on prefill (inside its transfer seconds), scatter on decode (after
+them, inside TTFT); a direct send has none. docs/bench.md ("The KV path") says
 what each is, where a request's are kept, and how the report shows them.
-
-Prefill's transfer seconds (bench.kv_transfer) span gather and write; the
-scatter follows on decode, inside TTFT but outside the transfer. A request
-sent directly has none of them.
 """
 
 from __future__ import annotations

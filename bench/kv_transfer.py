@@ -1,10 +1,6 @@
 """The KV transfer cost of a P/D level, from the plugin's metrics on prefill;
-docs/bench.md ("KV transfer per request") says what is reported and why.
-
-One transfer may carry several requests' KV (prefill batches the requests
-bound for one decode in a step), so a request waits for its transfer's whole
-duration: the level's bytes are split over its requests, its seconds over its
-transfers. Bytes are checked against the stack's layout (pdstack.kv_layout).
+docs/bench.md ("KV transfer per request") says what is reported and why (one
+transfer may carry several requests' KV, so a request waits for a whole one).
 """
 
 from __future__ import annotations
