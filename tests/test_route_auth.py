@@ -81,7 +81,6 @@ BODY = {"model": "pd-model", "prompt": "hi", "max_tokens": 2}
 
 
 def streamed(url: str, path: str) -> requests.Response:
-    """BODY posted to the proxy with the key, the answer streamed."""
     headers = {"Authorization": f"Bearer {KEY}"}
     return requests.post(f"{url}{path}", json=BODY, headers=headers, stream=True)
 

@@ -18,6 +18,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import requests
@@ -95,9 +96,8 @@ def answers_while_health_is_slow(
     stubs: Stubs, url: str, until_dropped: bool = False
 ) -> list[str]:
     """Requests once a second for WATCH_S while decode's /health is slow."""
-    stubs.delay_s = HEALTH_DELAY_S
     seen: list[str] = []
-    try:
+    with mock.patch.object(stubs, "delay_s", HEALTH_DELAY_S):
         end = time.monotonic() + WATCH_S
         while time.monotonic() < end:
             body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
@@ -106,8 +106,6 @@ def answers_while_health_is_slow(
             if until_dropped and answer.status_code == 503:
                 break
             time.sleep(1.0)
-    finally:
-        stubs.delay_s = 0.0
     return seen
 
 
