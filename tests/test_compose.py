@@ -87,11 +87,9 @@ def healthcheck_violations(model: Mapping[str, Any]) -> list[str]:
 
 def router_dependency_violations(model: Mapping[str, Any]) -> list[str]:
     problems = []
-    for router, servers in ROUTERS.items():
-        if router not in model["services"]:
-            continue
+    for router in sorted(ROUTERS.keys() & model["services"].keys()):
         depends = model["services"][router].get("depends_on") or {}
-        for server in servers:
+        for server in ROUTERS[router]:
             if depends.get(server, {}).get("condition") != "service_healthy":
                 problems.append(f"{router} must depend on {server}: service_healthy")
     return problems
@@ -380,11 +378,9 @@ def test_ports_come_from_ports_env_and_can_be_overridden() -> None:
 
 
 def test_every_knob_is_documented_in_dotenv() -> None:
-    documented = {
-        match[1]: match[2]
-        for line in DOTENV.read_text().splitlines()
-        if (match := re.fullmatch(r"#?([A-Z][A-Z0-9_]*)=(.*)", line.strip()))
-    }
+    # Each KEY=value line of .env, set or commented out.
+    pattern = r"(?m)^\s*#?([A-Z][A-Z0-9_]*)=(.*?)\s*$"
+    documented = dict(re.findall(pattern, DOTENV.read_text()))
     # Each variable -> its default in the compose files as the CLI reads them;
     # None where compose has none to give (required; build args, which the
     # unnormalized model alone keeps, pass through unset).
