@@ -128,9 +128,8 @@ class VllmDraft:
         return normed.view(batch, q_len, -1), prenorm.view(batch, q_len, -1)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(normed.flatten(0, 1)).view(
-            *normed.shape[:-1], -1
-        )
+        logits = self.model.compute_logits(normed.flatten(0, 1))
+        return logits.view(*normed.shape[:-1], -1)
 
 
 def vllm_outputs(
