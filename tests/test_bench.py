@@ -52,8 +52,7 @@ def test_transfer_engine_moves_every_size_and_checks_arrival() -> None:
                    if m != te.CHUNKED_METHOD or size >= te.CHUNK_BYTES}  # fmt: skip
     chunked = [s for s in samples if s.method == te.CHUNKED_METHOD]
     assert [(s.size, s.descriptors) for s in chunked] == [(1 << 20, 1), (3 << 20, 3)]
-    assert all(s.verified for s in samples)
-    assert all(len(s.throughputs()) == 2 for s in samples)
+    assert all(s.verified and len(s.throughputs()) == 2 for s in samples)
     kv = [s for s in samples if s.method == "engine_kv_blocks"]
     assert [s.descriptors for s in kv] == [-(-n // te.KV_BLOCK_BYTES) for n in sizes]
     comparisons = te.compare(samples)
@@ -101,9 +100,7 @@ def counters(lens: list[int], **changes: float) -> dict[str, float]:
         "bytes": sum(TWIN.transfer_bytes(n) for n in lens),
         "seconds": 0.02 * len(lens),
         "descriptors": 9 * len(lens),
-        "failed_transfers": 0,
-        "failed_recvs": 0,
-        "expired": 0,
+        **dict.fromkeys(("failed_transfers", "failed_recvs", "expired"), 0),
         "prompt_tokens": sum(lens),
         **changes,
     }
@@ -286,8 +283,7 @@ def test_report_flags_a_layout_mismatch(run_dir: Path) -> None:
     data = json.loads(kv_file.read_text())
     kv_file.write_text(json.dumps(data | {"bytes": data["bytes"] + BLOCK}))
     summary, text = built(run_dir)
-    assert summary["layout_checks_ok"] is False
-    assert "MISMATCH" in text
+    assert summary["layout_checks_ok"] is False and "MISMATCH" in text
 
 
 def test_targets_are_judged_by_their_numbers() -> None:
@@ -411,9 +407,8 @@ def write_checksum_pass(
             write_request(where / f"pd-in{length}-c1-r{i}", kv, length,
                           p50_ttft_ms=ttft, mean_ttft_ms=ttft)  # fmt: skip
     matched = 9 * sum(map(len, ttft_ms.values())) if enabled else 0
-    state_data = {"enabled": enabled, "matched_regions": matched,
-                  "mismatched_regions": 0}  # fmt: skip
-    (where / kv_checksum.STATE_FILE).write_text(json.dumps(state_data))
+    series = {"enabled": enabled, "matched_regions": matched, "mismatched_regions": 0}
+    (where / kv_checksum.STATE_FILE).write_text(json.dumps(series))
 
 
 DIGEST = {
@@ -502,9 +497,8 @@ KV_PATHS = {
 # Staged requests' phases (gather, write, scatter seconds), the same for
 # both passes; direct ones record zeros.
 STAGED_PHASES = {1024: (0.003, 0.021, 0.004), 4096: (0.012, 0.085, 0.015)}
-# transfer_engine.json as bench.transfer_engine writes it, every method at 16
-# and 64 MiB: the engine alone with one descriptor at 1 GB/s, with 1 MiB
-# descriptors through stall_guard twice that, the rest at 4 GB/s.
+# transfer_engine.json: the engine alone with one descriptor at 1 GB/s, with
+# 1 MiB descriptors through stall_guard twice that, the rest at 4 GB/s.
 ENGINE_GBPS = {"engine": 1.0, te.CHUNKED_METHOD: 2.0}
 ENGINE_JSON = te.to_json(
     [
@@ -516,9 +510,7 @@ ENGINE_JSON = te.to_json(
 
 
 def write_kv_path_run(
-    run_dir: Path,
-    cells: dict[tuple[str, str], Any] = KV_PATHS,
-    phases: bool = True,
+    run_dir: Path, cells: dict[tuple[str, str], Any] = KV_PATHS, phases: bool = True
 ) -> None:
     """A KV path run as the bench leaves it; not ``phases``: a run from before
     the staging phases were recorded."""
@@ -550,9 +542,8 @@ def test_report_renders_the_kv_path_section(run_dir: Path) -> None:
     summary, text = built(run_dir)
     for line in (
         "\n\n## KV path: staged / direct sends, fresh / fragmented block lists\n\n",
-        # 64 blocks of 311296 B in 25 ms: 797 MB/s, 79.7% of 1 GB/s at 16 MiB; the
-        # TTFTs 2000, 2001, 2002 ms.
-        # Against the engine's 1 MiB descriptors (2 GB/s): half that.
+        # 64 blocks of 311296 B in 25 ms: 797 MB/s, 79.7% of 1 GB/s at 16 MiB, half
+        # that of the engine's 1 MiB descriptors (2 GB/s); TTFTs 2000, 2001, 2002 ms.
         "| staged | fresh | 1024 | 3 | 19 | 25.0 | 797 | 2,001 | 1.2% | "
         "79.7% (16 MiB) | 39.8% |",
         "| staged | fragmented | 4096 | 3 | 76 | 100.0 | 797 | 10,001 | 1.0% |",
@@ -574,8 +565,7 @@ def test_report_renders_the_kv_path_section(run_dir: Path) -> None:
     ]  # fmt: skip
     assert cells[0]["vs_engine_bulk"] == pytest.approx(64 * BLOCK / 0.025 / 1e9)
     assert cells[0]["vs_engine_chunked"] == pytest.approx(64 * BLOCK / 0.025 / 2e9)
-    names = [t["name"] for t in summary["targets"]]
-    assert sum("KV staging" in n for n in names) == 3
+    assert sum("KV staging" in t["name"] for t in summary["targets"]) == 3
 
 
 def test_report_breaks_staged_sends_down_by_phase(run_dir: Path) -> None:
@@ -740,12 +730,9 @@ def test_a_stack_restarts_with_its_setting_and_only_then(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """bench.stack.restart_pd, the one way the checksum and KV path steps
-    change a setting: the P/D servers stopped first, started with the
-    setting in their environment, the bench's own environment as it was."""
+    change a setting: the P/D servers' environment, never the bench's own."""
     seen: list[tuple[str, str | None]] = []
-    own: Any = SimpleNamespace(
-        stop=lambda names: seen.append(("stop", ",".join(names)))
-    )
+    own: Any = SimpleNamespace(stop=lambda n: seen.append(("stop", ",".join(n))))
 
     def start(own: Any, profile: str) -> tuple[Any, dict[str, float], list[str]]:
         seen.append(("start", os.environ.get("PD_MOONCAKE_KV_STAGING_MIB")))
@@ -763,9 +750,8 @@ def test_a_stack_restarts_with_its_setting_and_only_then(
 def test_a_levels_kv_file_has_both_servers_phases(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """bench.vllm_bench scrapes prefill and decode around a level with a KV
-    file and a decode URL: the counters, gather and write from prefill, the
-    scatter from decode, each settled."""
+    """bench.vllm_bench around a level with a KV file and a decode URL: the
+    counters, gather and write settled from prefill, the scatter from decode."""
     after = {
         "http://p": m.Snapshot({**staging(gather=0.003, write=0.021).samples,
                                 (m.TRANSFERS, frozenset()): 1.0}),
