@@ -195,8 +195,7 @@ def test_pin_check_catches_drift() -> None:
 
 def test_serving_image_derives_from_the_pinned_vllm_image() -> None:
     text = TEXTS[SERVING.name]
-    froms = [rest for keyword, rest in instructions(text) if keyword == "FROM"]
-    assert froms[-1] == "vllm/vllm-openai:${VLLM_VERSION}"
+    assert dict(final_stage(text))["FROM"] == "vllm/vllm-openai:${VLLM_VERSION}"
     assert "MOONCAKE_VERSION" in global_args(text)
     # The plugin must never pull vLLM or torch in.
     installs = [r for k, r in instructions(text) if k == "RUN" and "/src/plugin" in r]
@@ -325,8 +324,7 @@ def test_router_args_take_replica_lists() -> None:
     argv = config.router_args(
         "http://p0:8100, http://p1:8100", 8998, "http://d0:8200", "h", 1
     )
-    tail = argv[argv.index("--prefill") :]
-    assert tail == [
+    assert argv[argv.index("--prefill") :] == [
         "--prefill", "http://p0:8100", "8998",
         "--prefill", "http://p1:8100", "8998",
         "--decode", "http://d0:8200",
