@@ -2,8 +2,7 @@
 
 No Docker engine: the Dockerfiles are linted with hadolint and read as text;
 the pieces that run inside the images (pdstack.route, serving-entrypoint.sh)
-run here. Checkers return their violations (negative controls feed them broken
-input).
+run here. Checkers return their violations (tests/manifests.py says why).
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ ROUTER = DOCKER / "router.Dockerfile"
 # Each image's Dockerfile -> the pdstack module its CMD runs.
 IMAGES = {SERVING: "pdstack.serve", ROUTER: "pdstack.route"}
 TEXTS = {path.name: path.read_text() for path in IMAGES}
+IGNORE = (ROOT / ".dockerignore").read_text()
 ENTRYPOINT_SCRIPT = DOCKER / "serving-entrypoint.sh"
 CPU_PINS = ROOT / "requirements" / "cpu.txt"
 
@@ -219,12 +219,11 @@ def test_label_check_catches_a_missing_label() -> None:
 
 def test_dockerignore_is_an_allowlist_covering_the_builds() -> None:
     assert set(DOCKER.glob("*.Dockerfile")) == set(IMAGES)
-    ignore = (ROOT / ".dockerignore").read_text()
-    assert dockerignore_violations(ignore, TEXTS) == []
+    assert dockerignore_violations(IGNORE, TEXTS) == []
 
 
 def test_dockerignore_sends_the_plugin_but_no_build_leftovers() -> None:
-    patterns = ignore_patterns((ROOT / ".dockerignore").read_text())
+    patterns = ignore_patterns(IGNORE)
     assert in_context(patterns, "plugin/pyproject.toml")
     assert in_context(patterns, "plugin/src/pd_mooncake/__init__.py")
     assert not in_context(patterns, "plugin/tests/test_x.py")
@@ -233,8 +232,7 @@ def test_dockerignore_sends_the_plugin_but_no_build_leftovers() -> None:
 
 
 def test_dockerignore_check_catches_a_missing_path() -> None:
-    ignore = (ROOT / ".dockerignore").read_text().replace("!configs/\n", "")
-    assert dockerignore_violations(ignore, TEXTS) == [
+    assert dockerignore_violations(IGNORE.replace("!configs/\n", ""), TEXTS) == [
         "serving.Dockerfile: configs is excluded by .dockerignore",
         "router.Dockerfile: configs is excluded by .dockerignore",
     ]
