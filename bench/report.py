@@ -63,8 +63,7 @@ def comparison_table(pairs: Sequence[Pair]) -> list[str]:
         for key, _ in METRICS:
             pd, colo = pair.value("pd", key), pair.value("colocated", key)
             digits = 0 if key == "output_throughput" or (pd or 0) >= 100 else 1
-            r = ratio(pd, colo)
-            shown = "n/a" if r is None else f"{r:.2f}x"
+            shown = "n/a" if (r := ratio(pd, colo)) is None else f"{r:.2f}x"
             out.append(f"{fmt(pd, digits)} / {fmt(colo, digits)} ({shown})")
         return out
 
@@ -227,7 +226,6 @@ def section(title: str, body: Sequence[str]) -> list[str]:
 
 def markdown(run: Run, plotted: bool) -> str:
     meta, checks, pairs, status = run.meta, run.checks, run.pairs, run.status
-    comparisons, overhead, memory = run.comparisons, run.overhead, run.memory
     out = [f"# P/D vs colocated: bench run {meta.get('started', '')}", ""]
     if meta.get("stack"):
         out += [f"Stack: {meta['stack']}. Profile `{meta.get('profile', 'tiny')}`.", ""]
@@ -248,12 +246,8 @@ def markdown(run: Run, plotted: bool) -> str:
         "",
         *comparison_table(pairs),
     ]
-    if failed := [
-        lv
-        for p in pairs
-        for lv in (p.pd, p.colocated)
-        if lv is not None and (lv.failed or lv.errors)
-    ]:
+    ran = [lv for p in pairs for lv in (p.pd, p.colocated) if lv is not None]
+    if failed := [lv for lv in ran if lv.failed or lv.errors]:
         out += ["", "Failed requests (servers' logs are in the run directory's stack):"]
         out += [
             f"- {TARGETS[lv.target]} {lv.input_len} x "
@@ -275,16 +269,16 @@ def markdown(run: Run, plotted: bool) -> str:
         out += ["", *kv_checksum.markdown(run.checksum)]
     if run.kv_path:
         out += section(
-            kv_path.TITLE, kv_path.markdown(run.kv_path, comparisons, run.model)
+            kv_path.TITLE, kv_path.markdown(run.kv_path, run.comparisons, run.model)
         )
-    if comparisons:
+    if run.comparisons:
         out += section(
             "Mooncake transfer engine alone (TCP, loopback, two processes)",
-            engine_table(comparisons),
+            engine_table(run.comparisons),
         )
     if run.hosts_link:
         out += ["", *hl.markdown(run.hosts_link)]
-    if overhead:
+    if overhead := run.overhead:
         out += section("Router overhead", [])
         runs = {"real stack": overhead, "stub backends": overhead.get("stubs")}
         for label, data in ((k, v) for k, v in runs.items() if v):
@@ -314,7 +308,7 @@ def markdown(run: Run, plotted: bool) -> str:
     if run.startup:
         times = [(k, v) for k, v in run.startup.items() if isinstance(v, (int, float))]
         out += section("Start-up", [f"- {key}: {value:.0f} s" for key, value in times])
-    if memory:
+    if memory := run.memory:
         rss, pss = (int(memory.get(k, 0)) / GIB for k in ("rss_total", "pss_total"))
         samples = memory.get("samples", 0)
         line = f"- RSS sum {rss:.2f} GiB, PSS sum {pss:.2f} GiB over {samples} samples"

@@ -58,8 +58,7 @@ class ProtocolError(RuntimeError):
 
 
 def bootstrap_url(prefill_url: str, bootstrap_port: int) -> str:
-    host = urlsplit(prefill_url).hostname or HOST
-    return f"http://{host}:{bootstrap_port}"
+    return f"http://{urlsplit(prefill_url).hostname or HOST}:{bootstrap_port}"
 
 
 def engine_id(bootstrap: str) -> str:
@@ -215,8 +214,7 @@ def capture(
             )
             took = time.monotonic() - start
             legs = server.exchanges("/v1/completions")[mark:]
-            seen = [e.tap for e in legs]
-            if seen != ["prefill", "decode"]:
+            if (seen := [e.tap for e in legs]) != ["prefill", "decode"]:
                 raise ProtocolError(f"expected prefill then decode legs, saw {seen}")
             if answer.status_code != 200:
                 failures.append(f"HTTP {answer.status_code}: {answer.text[:200]}")

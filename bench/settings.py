@@ -57,8 +57,7 @@ def human_bytes(n: float) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             value = n / scale
-            digits = 0 if value == int(value) else 1
-            return f"{value:.{digits}f} {unit}"
+            return f"{value:.{0 if value == int(value) else 1}f} {unit}"
     return f"{n:.0f} B"
 
 

@@ -76,8 +76,7 @@ class Plan:
 
 def bench_serve_args(plan: Plan, level: Level) -> list[str]:
     result = Path(level.result_file)
-    ratio = level.range_ratio
-    spread = ["--random-range-ratio", str(ratio)] if ratio else []
+    spread = ["--random-range-ratio", str(r)] if (r := level.range_ratio) else []
     return [
         "--backend", "openai",
         "--base-url", level.base_url,
