@@ -15,7 +15,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,16 +107,14 @@ def environment(service: Mapping[str, Any]) -> dict[str, str]:
 
 def secret_env_violations(
     where: str, env: Mapping[str, str], secret_files: set[str]
-) -> list[str]:
+) -> Iterator[str]:
     """A secret reaches a process only as the path of a file a secret store
     mounts (compose `secrets:`, a Kubernetes Secret volume), never as a value."""
-    problems = []
     for key in filter(SECRET_NAME.search, env):
         if not key.endswith(SECRET_REF_SUFFIXES):
-            problems.append(f"{where}: secret {key} as a plain value")
+            yield f"{where}: secret {key} as a plain value"
         elif env[key] not in secret_files:
-            problems.append(f"{where}: {key} is not a file from a secret")
-    return problems
+            yield f"{where}: {key} is not a file from a secret"
 
 
 def port_numbers_in(paths: Iterable[Path]) -> dict[Path, set[str]]:
