@@ -26,7 +26,6 @@ RATES: tuple[str | None, ...] = (None, "1gbit", "5gbit")
 UNSHAPED = "unshaped"
 # The socket at this share of the rate or more: the link is the limit.
 LINK_LIMITED = 0.90
-METHODS = ("engine", "socket")
 # A rate's fields and figures in the report's summary.json.
 SUMMARY = ("rate", "link_bps", "engine_bps", "socket_bps", "engine_vs_link",
            "socket_vs_link", "engine_vs_socket", "cpu_bound", "verified",
@@ -123,7 +122,7 @@ def measure(
             try:
                 net.shape(HOST, rate)
                 samples = te.run(
-                    [size], repeats, progress=progress, methods=METHODS,
+                    [size], repeats, progress=progress, methods=("engine", "socket"),
                     sender_host=net.client_address, receiver_host=host.address,
                     netns=host.netns,
                 )  # fmt: skip

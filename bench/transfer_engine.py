@@ -95,8 +95,7 @@ class Sample:
         return [self.size * self.repeats_per_sample / s for s in self.seconds if s > 0]
 
     def median_bps(self) -> float:
-        values = self.throughputs()
-        return statistics.median(values) if values else 0.0
+        return statistics.median(self.throughputs() or [0.0])
 
 
 def kv_descriptors(
