@@ -9,8 +9,6 @@ reports prefix caching enabled (GPU hosts), a local hit is also required.
 
 from __future__ import annotations
 
-import pytest
-
 from conftest import Stack
 from pdstack import client
 from pdstack import metrics as m
@@ -53,6 +51,5 @@ def test_partial_prefix_hit_on_decode(stack: Stack) -> None:
 def test_prefix_caching_state_is_known(stack: Stack) -> None:
     """The conditional above reads real server state, not a guess."""
     info = m.scrape(stack.decode).labels_of(m.CACHE_CONFIG_INFO)
-    if not info:
-        pytest.fail("decode exports no vllm:cache_config_info")
+    assert info, "decode exports no vllm:cache_config_info"
     assert info["enable_prefix_caching"] in ("True", "False")
