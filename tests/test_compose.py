@@ -593,16 +593,15 @@ def test_compose_keeps_servers_private_non_root_and_secrets_out(tmp_path: Path) 
         (tmp_path / name).write_text(secrets[name])
         env[f"{name.upper()}_FILE"] = str(tmp_path / name)
     problems: list[str] = []
-    rendered = ""
-    for profiles in PROFILE_SETS:
-        model = compose_config(profiles, env)
-        rendered += json.dumps(model)
+    models = [compose_config(profiles, env) for profiles in PROFILE_SETS]
+    for model in models:
         problems += port_violations(model) + secret_violations(model)
         for name, service in model["services"].items():
             if str(service.get("user", "")).split(":")[0] in ("0", "root"):
                 problems.append(f"{name}: runs as root")
             if service.get("privileged"):
                 problems.append(f"{name}: privileged")
+    rendered = json.dumps(models)
     default = published(compose_config((), env))
     internal = {ports()[k] for k in ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT")}
     exposed = {port for entries in default.values() for _, port, _ in entries}
