@@ -255,11 +255,9 @@ def _secret_files(workload: Object, container: Object) -> set[str]:
         volume = volumes.get(mount["name"], {})
         projected = (volume.get("projected") or {}).get("sources", [])
         sources = [{"secret": volume["secret"]}] if "secret" in volume else projected
-        if not sources or any(set(s) != {"secret"} for s in sources):
-            continue  # not purely secret-backed
-        for source in sources:
+        if all(set(s) == {"secret"} for s in sources):  # purely secret-backed
             # Without items, every key: file names unknown until run time.
-            items = source["secret"].get("items") or []
+            items = [i for s in sources for i in s["secret"].get("items") or []]
             files.update(f"{mount['mountPath']}/{i['path']}" for i in items)
     return files
 
