@@ -473,8 +473,7 @@ def test_compose_runs_pdstack_serve_for_its_role_on_gpu(
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert transfer["kv_role"] == manifests.KV_ROLE[role]
-    port = ports()["PREFILL_PORT" if role == "prefill" else "DECODE_PORT"]
-    assert argv[argv.index("--port") + 1] == port
+    assert argv[argv.index("--port") + 1] == ports()[f"{role.upper()}_PORT"]
     assert f"VLLM_MOONCAKE_BOOTSTRAP_PORT={ports()['BOOTSTRAP_PORT']}" in env_line
     assert not {"--enforce-eager", "--block-size"} & set(argv)
 

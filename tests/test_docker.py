@@ -57,9 +57,7 @@ def instructions(text: str) -> list[tuple[str, str]]:
 def global_args(text: str) -> dict[str, str]:
     """ARG defaults before the first FROM: the image pins."""
     before = itertools.takewhile(lambda step: step[0] != "FROM", instructions(text))
-    return dict(
-        rest.partition("=")[::2] for keyword, rest in before if keyword == "ARG"
-    )
+    return dict(arg.partition("=")[::2] for keyword, arg in before if keyword == "ARG")
 
 
 def final_stage(text: str) -> list[tuple[str, str]]:
