@@ -242,9 +242,8 @@ def test_real_router_protocol_through_taps(tmp_path: Path) -> None:
             progress=lambda _: None,
         )  # fmt: skip
     assert router_capture.differences(capture.prefill_leg, capture.decode_leg) == []
-    assert capture.legs_in_order
+    assert capture.legs_in_order and capture.bootstrap_queries >= 1
     assert capture.decode_leg["kv_transfer_params"]["remote_engine_id"] == "stub-engine"
-    assert capture.bootstrap_queries >= 1
     overhead = router_overhead.measure_on_stubs(model, 20, tmp_path, lambda _: None)
     assert len(overhead.router_ms) == len(overhead.direct_ms) == 20
     summary = router_overhead.summary(overhead)
