@@ -99,7 +99,6 @@ def workloads(objects: list[Object]) -> dict[str, Object]:
 
 
 def servers(objects: list[Object]) -> list[tuple[str, Object]]:
-    """(name, workload) of prefill and decode, in that order."""
     return [(name, workloads(objects)[name]) for name in SERVING]
 
 
@@ -141,11 +140,10 @@ def container_env(objects: list[Object], container: Object) -> dict[str, str]:
         data = find(objects, "ConfigMap", ref["name"]).get("data") or {}
         env.update({source.get("prefix", "") + k: str(v) for k, v in data.items()})
     for item in container.get("env", []):
-        name = item["name"]
         match item:
-            case {"value": value}:
+            case {"name": name, "value": value}:
                 env[name] = _REFERENCE.sub(lambda m: env.get(m[1], m[0]), str(value))
-            case {"valueFrom": {"fieldRef": {"fieldPath": path}}}:
+            case {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}:
                 env[name] = f"<field {path}>"
             case _:
                 pytest.fail(f"unsupported env source {item}: extend container_env")
