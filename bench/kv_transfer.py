@@ -68,13 +68,11 @@ def settle_delta(
     Nothing to wait for when no request completed."""
     if completed == 0:
         return delta_json(m.scrape(url) - before)
-    return m.settle_counts(
-        url,
-        before,
-        delta_json,
-        lambda v: v["transfers"] + v["failed_transfers"],
-        deadline_s,
-    )
+
+    def ended(v: dict[str, float]) -> float:
+        return v["transfers"] + v["failed_transfers"]
+
+    return m.settle_counts(url, before, delta_json, ended, deadline_s)
 
 
 @dataclass(frozen=True)
