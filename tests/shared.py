@@ -44,8 +44,7 @@ def bench_settings(argv: list[str] | None = None, **env: str) -> settings.Settin
 
 def built(run_dir: Path) -> tuple[dict[str, Any], str]:
     """report.build's summary of a run directory and the report.md it wrote."""
-    summary = report.build(run_dir)
-    return summary, (run_dir / "report.md").read_text()
+    return report.build(run_dir), (run_dir / "report.md").read_text()
 
 
 @contextlib.contextmanager

@@ -104,8 +104,7 @@ def test_killed_generation_leaves_nothing_that_looks_valid(
         tm.ensure_models(tmp_path, progress=lambda _: None)
     assert list(tmp_path.iterdir()) == []
     # A temp dir really left behind by a SIGKILL is cleared once it is stale.
-    name = f"pd-tiny-dsv2-eagle3-{tm.generator_stamp()[:16]}"
-    orphan = tmp_path / f".{name}.tmp-orphan"
+    orphan = tmp_path / f".pd-tiny-dsv2-eagle3-{tm.generator_stamp()[:16]}.tmp-orphan"
     orphan.mkdir()
     old = time.time() - 2 * tm.cache.STALE_TEMP_S
     os.utime(orphan, (old, old))
@@ -194,11 +193,10 @@ def test_draft_predicts_probes_only_with_its_own_prompt_kv(
         lost = tm.eagle3.draft_first_pass(
             weights, embed, trace, start, lose_prompt_kv=True
         )
-    labels = trace.greedy[:, start + 1 :]
 
     def accuracy(normed: torch.Tensor) -> float:
         guess = (normed[:, :-1] @ weights["lm_head.weight"].T).argmax(-1)
-        return (guess == labels).float().mean().item()
+        return (guess == trace.greedy[:, start + 1 :]).float().mean().item()
 
     assert accuracy(kept.normed) >= 0.99
     assert accuracy(lost.normed) < 0.8
