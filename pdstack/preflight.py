@@ -357,11 +357,6 @@ def table(checks: Sequence[Check]) -> str:
     return "\n".join(lines + (["", legend, *notes] if notes else []))
 
 
-def to_json(checks: Sequence[Check]) -> str:
-    ok = not any(c.status == "rejected" for c in checks)
-    return json.dumps({"ok": ok, "checks": [asdict(c) for c in checks]}, indent=2)
-
-
 # --- the serving image and the CLI ---------------------------------------------
 
 
@@ -455,13 +450,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except config.ConfigError as exc:
         parser.exit(2, f"pdstack.preflight: {exc}\n")
+    rejected = any(c.status == "rejected" for c in checks)
     if opts.print:
         print(int(all(c.batch_invariant for c in checks)))
         for problem in (p for c in checks for p in c.problems):
             print(f"pdstack.preflight: {problem}", file=sys.stderr)
+    elif opts.json:
+        state = {"ok": not rejected, "checks": [asdict(c) for c in checks]}
+        print(json.dumps(state, indent=2))
     else:
-        print(to_json(checks) if opts.json else table(checks))
-    return 1 if any(c.status == "rejected" for c in checks) else 0
+        print(table(checks))
+    return int(rejected)
 
 
 if __name__ == "__main__":

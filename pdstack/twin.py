@@ -111,16 +111,14 @@ def _known(role: str) -> None:
         raise ValueError(f"unknown role {role!r}; known: {', '.join(ROLE_NAMES)}")
 
 
-def kill(
-    role: str, run_dir: Path = RUN_DIR, progress=print, deadline_s: float = 30.0
-) -> float:
+def kill(role: str, run_dir: Path = RUN_DIR, progress=print) -> float:
     """One role's ``supervisor.Processes.kill`` (a crash); the seconds it took."""
     _known(role)
     procs = processes(run_dir, progress)
     pid = procs.running().get(role)
     if pid is None:
         raise wait.WaitError(f"{role} is not running (state in {run_dir})")
-    took = procs.kill(role, deadline_s)
+    took = procs.kill(role)
     progress(f"killed {role} (pid {pid})")
     return took
 
