@@ -687,12 +687,9 @@ def serves(
 ) -> Serves:
     """manifests.served, bound to this test. pdstack.serve generates the tiny
     pair before printing; the comparison needs only the paths it substitutes."""
-
-    def ensure_models(*_: object, **__: object) -> SimpleNamespace:
-        models = Path("/cache/pd-models/tiny")
-        return SimpleNamespace(target=models / "target", draft=models / "draft")
-
-    monkeypatch.setattr("pdstack.tiny_model.ensure_models", ensure_models)
+    models = Path("/cache/pd-models/tiny")
+    pair = SimpleNamespace(target=models / "target", draft=models / "draft")
+    monkeypatch.setattr("pdstack.tiny_model.ensure_models", lambda *_, **__: pair)
     return functools.partial(served, monkeypatch=monkeypatch, capsys=capsys)
 
 
