@@ -809,12 +809,11 @@ def test_router_comparison_catches_drift() -> None:
 @each_overlay
 def test_start_budgets_shm_and_grace_period_cover_compose(overlay: str) -> None:
     objects = render(overlay)
-    found = workloads(objects)
-    init = pod(found[ROUTER])["initContainers"][0]
+    init = pod(workloads(objects)[ROUTER])["initContainers"][0]
     wait_s = float(container_env(objects, init)["PD_WAIT_TIMEOUT_S"])
-    for role in SERVING:
-        spec, service = pod(found[role]), compose_services(overlay)[role]
-        probe = main_container(found[role])["startupProbe"]
+    for role, workload in servers(objects):
+        spec, service = pod(workload), compose_services(overlay)[role]
+        probe = main_container(workload)["startupProbe"]
         budget = float(probe["failureThreshold"] * probe.get("periodSeconds", 10))
         assert budget >= duration_s(service["healthcheck"]["start_period"]), role
         # The router's wait must outlast the servers' own startup budget.
@@ -887,8 +886,7 @@ def test_kimi_uses_rdma_and_tiny_uses_tcp(overlay: str) -> None:
 
 
 def test_kimi_keeps_its_model_cache_on_a_claim_per_pod() -> None:
-    found = workloads(render("kimi-k2.5"))
-    for role in SERVING:
-        claims = found[role]["spec"]["volumeClaimTemplates"]
+    for _, workload in servers(render("kimi-k2.5")):
+        claims = workload["spec"]["volumeClaimTemplates"]
         assert [c["metadata"]["name"] for c in claims] == ["cache"]
-        assert "cache" not in {v["name"] for v in pod(found[role])["volumes"]}
+        assert "cache" not in {v["name"] for v in pod(workload)["volumes"]}
