@@ -52,14 +52,12 @@ def connect_from(host: netns.Host, address: str, port: int, t_s: float = 3) -> s
 
 
 @contextlib.contextmanager
-def started(
-    host: netns.Host, code: str, *args: object, **kw: object
-) -> Iterator[subprocess.Popen[str]]:
-    """``code`` running in ``host`` once it has printed; killed at the end."""
-    argv = [*host.exec_prefix(), sys.executable, "-c", code, *map(str, args)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, **kw)
+def started(host: netns.Host, code: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    argv = [*host.exec_prefix(), sys.executable, "-c", code, *args]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    proc = subprocess.Popen(argv, **pipes)
     try:
-        assert select.select([proc.stdout], [], [], T_S)[0], "silent"
+        assert select.select([proc.stdout], [], [], T_S)[0], "silent: never printed"
         yield proc
     finally:
         proc.kill()
@@ -139,7 +137,7 @@ def test_readdress_moves_the_name_to_a_new_address(net: netns.Network) -> None:
     inode = hosts.stat().st_ino
     # A process of host a that runs across the move, resolving after it.
     code = "import socket; print(1, flush=True); print(socket.gethostbyname(input()))"
-    with started(a, code, stdin=subprocess.PIPE) as reader:  # in host a now
+    with started(a, code) as reader:  # in host a now
         new = net.readdress("b")
         out = reader.communicate("b\n", timeout=T_S)[0]
     assert new != old and b.address == new
