@@ -378,7 +378,25 @@ def markdown(
                 f"tokens, {burst['status']} in {fmt(burst.get('seconds'), 0)} s"
             )
         out.append(line)
-    out.append(f"- {_layout_line(result, model)}")
+    # Every request's bytes against whole blocks of the layout.
+    checks = [
+        check
+        for *_, cell in rows
+        for r in cell.requests
+        if (check := kv_transfer.check_layout(r.input_lens, r.counters, model))
+    ]
+    bad = [c for c in checks if not c.ok]
+    if model is None:
+        out.append("- bytes per request not checked (no layout model)")
+    elif bad:
+        out.append(
+            f"- bytes per request: {len(bad)} of {len(checks)} MISMATCH the layout, "
+            f"first: {bad[0].detail}"
+        )
+    else:
+        out.append(
+            f"- bytes per request: all {len(checks)} equal the layout's whole blocks"
+        )
     if note := result.staging_note():
         out.append(f"- {note}")
     return out
@@ -386,22 +404,3 @@ def markdown(
 
 def _span(values: Sequence[int]) -> str:
     return f"{values[0]}-{values[1]}" if values else "n/a"
-
-
-def _layout_line(result: Result, model: kv_layout.KVLayout | None) -> str:
-    """Every request's bytes against whole blocks of the layout."""
-    if model is None:
-        return "bytes per request not checked (no layout model)"
-    checks = [
-        check
-        for _, _, _, cell in _cells(result)
-        for r in cell.requests
-        if (check := kv_transfer.check_layout(r.input_lens, r.counters, model))
-    ]
-    bad = [c for c in checks if not c.ok]
-    if not bad:
-        return f"bytes per request: all {len(checks)} equal the layout's whole blocks"
-    return (
-        f"bytes per request: {len(bad)} of {len(checks)} MISMATCH the layout, "
-        f"first: {bad[0].detail}"
-    )
