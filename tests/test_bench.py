@@ -52,7 +52,8 @@ def test_transfer_engine_moves_every_size_and_checks_arrival() -> None:
                    if m != te.CHUNKED_METHOD or size >= te.CHUNK_BYTES}  # fmt: skip
     chunked = [s for s in samples if s.method == te.CHUNKED_METHOD]
     assert [(s.size, s.descriptors) for s in chunked] == [(1 << 20, 1), (3 << 20, 3)]
-    assert all(s.verified and len(s.throughputs()) == 2 for s in samples)
+    assert all(s.verified for s in samples)
+    assert all(len(s.throughputs()) == 2 for s in samples)
     kv = [s for s in samples if s.method == "engine_kv_blocks"]
     assert [s.descriptors for s in kv] == [-(-n // te.KV_BLOCK_BYTES) for n in sizes]
     comparisons = te.compare(samples)
@@ -242,7 +243,8 @@ def test_real_router_protocol_through_taps(tmp_path: Path) -> None:
             progress=lambda _: None,
         )  # fmt: skip
     assert router_capture.differences(capture.prefill_leg, capture.decode_leg) == []
-    assert capture.legs_in_order and capture.bootstrap_queries >= 1
+    assert capture.legs_in_order
+    assert capture.bootstrap_queries >= 1
     assert capture.decode_leg["kv_transfer_params"]["remote_engine_id"] == "stub-engine"
     overhead = router_overhead.measure_on_stubs(model, 20, tmp_path, lambda _: None)
     assert len(overhead.router_ms) == len(overhead.direct_ms) == 20
@@ -282,7 +284,8 @@ def test_report_flags_a_layout_mismatch(run_dir: Path) -> None:
     data = json.loads(kv_file.read_text())
     kv_file.write_text(json.dumps(data | {"bytes": data["bytes"] + BLOCK}))
     summary, text = built(run_dir)
-    assert summary["layout_checks_ok"] is False and "MISMATCH" in text
+    assert summary["layout_checks_ok"] is False
+    assert "MISMATCH" in text
 
 
 def test_targets_are_judged_by_their_numbers() -> None:
