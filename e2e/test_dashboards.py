@@ -92,8 +92,7 @@ def test_every_panel_has_data_and_counters_equal_the_servers(
     panels = len(prometheus.panel_queries(dashboard))
     print(f"{panels} panel queries with data; prefill transfers {transfers:.0f}")
     assert transfers >= 3
-    rate = prom.value(f'sum(rate({m.BYTES}{{job="prefill"}}[1m]))')
-    assert rate > 0
+    assert prom.value(f'sum(rate({m.BYTES}{{job="prefill"}}[1m]))') > 0
 
 
 def test_a_panel_on_a_misspelt_metric_is_caught(prom: prometheus.Prometheus) -> None:
@@ -110,10 +109,9 @@ def test_a_panel_on_a_misspelt_metric_is_caught(prom: prometheus.Prometheus) -> 
 def test_alert_rules_load_and_fire_on_their_condition(
     stack: Stack, prom: prometheus.Prometheus
 ) -> None:
-    loaded = prom.rule_names()
     rules = yaml.safe_load(prometheus.ALERTS.read_text())
     names = {r["alert"] for g in rules["groups"] for r in g["rules"]}
-    assert loaded == names
+    assert prom.rule_names() == names
     switch = m.scrape(stack.decode).labels_of(m.KV_CACHE_INFO).get("fault_switch")
 
     def firing() -> set[str]:

@@ -17,13 +17,11 @@ from pathlib import Path
 import pytest
 
 from conftest import Stack
+from pd_mooncake.faults import CORRUPT_CHECKED_KV, CORRUPT_RECEIVED_KV
 from pdstack import client, config, kv_layout, oracle
 from pdstack import metrics as m
 
 MAX_TOKENS = 16
-# pd_mooncake.faults
-CORRUPT_RECEIVED = "corrupt_received_kv"
-CORRUPT_CHECKED = "corrupt_checked_kv"
 
 
 def test_request_without_transfer_does_not_count_as_external(stack: Stack) -> None:
@@ -159,7 +157,7 @@ def test_checksum_keeps_corrupted_kv_out_of_every_answer(
     fails or is recomputed (kv_load_failure_policy), never answered wrong, and
     decode counts a mismatch in every region of each; with it off, the
     answers are wrong and every metric says success."""
-    expected, got, prefill, decode, regions = corrupted(CORRUPT_RECEIVED, 5100)
+    expected, got, prefill, decode, regions = corrupted(CORRUPT_RECEIVED_KV, 5100)
     mismatch = decode.by_label(m.CHECKSUM_MISMATCH, "region")
     outcomes = [
         g if isinstance(g, str) else oracle.judge(e, g, stack.epsilon).describe()
@@ -194,7 +192,7 @@ def test_corruption_after_the_checksum_fails_the_correctness_check(
     """KV overwritten after the checksum verified it (or without one): the
     answers leave the reference while every metric, the checksum's included,
     says success. The correctness check is what catches it."""
-    expected, got, prefill, decode, regions = corrupted(CORRUPT_CHECKED, 5200)
+    expected, got, prefill, decode, regions = corrupted(CORRUPT_CHECKED_KV, 5200)
     assert_wrong_with_success_metrics(stack, expected, got, prefill)
     assert decode.total(m.CHECKSUM_MISMATCH) == 0
     if checksum_on:
