@@ -1,8 +1,7 @@
 """k8s/: each overlay rendered (``kubectl kustomize``, exactly as ``kubectl
 apply -k`` would), validated strictly (an unknown field fails), checked, and
 compared with compose; docs/kubernetes.md ("Checked here, and not") says what.
-Each checker yields its violations, so a negative control can feed it a mutated
-rendering.
+Each checker yields its violations (tests/manifests.py says why).
 """
 
 from __future__ import annotations
@@ -126,13 +125,11 @@ def named_port(container: Object, name: str) -> int | None:
     return next((int(p["containerPort"]) for p in ports if p.get("name") == name), None)
 
 
-_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
 def container_env(objects: list[Object], container: Object) -> dict[str, str]:
     """The container's environment as the kubelet builds it: envFrom first,
     then env (which wins), with $(VAR) references expanded. The downward API's
     values, known only at run time, become markers."""
+    reference = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         ref = source.get("configMapRef")
@@ -142,7 +139,7 @@ def container_env(objects: list[Object], container: Object) -> dict[str, str]:
     for item in container.get("env", []):
         match item:
             case {"name": name, "value": value}:
-                env[name] = _REFERENCE.sub(lambda m: env.get(m[1], m[0]), str(value))
+                env[name] = reference.sub(lambda m: env.get(m[1], m[0]), str(value))
             case {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}:
                 env[name] = f"<field {path}>"
             case _:
