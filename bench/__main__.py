@@ -69,9 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                 opts.json.write_text(json.dumps(transfer_engine.to_json(samples)))
             return 0
         if opts.command == "hosts-link":
-            rates = hl.parse_rates(opts.rates)
             links = hl.measure(chosen.hosts_link_size, chosen.hosts_link_repeats,
-                               rates, show)  # fmt: skip
+                               hl.parse_rates(opts.rates), show)  # fmt: skip
             if opts.json:
                 opts.json.write_text(json.dumps(hl.to_json(links)))
             print("\n".join(hl.markdown_table(links)), flush=True)
