@@ -837,8 +837,7 @@ def role_neutral(workload: Object) -> Object:
 
 
 def role_drift(objects: list[Object]) -> list[str]:
-    prefill, decode = (role_neutral(workloads(objects)[r]) for r in SERVING)
-    return _differences(prefill, decode, "template")
+    return _differences(*(role_neutral(w) for _, w in servers(objects)), "template")
 
 
 def _differences(a: Any, b: Any, where: str) -> list[str]:
