@@ -150,9 +150,8 @@ def vllm_outputs(
     # only a slot that no later (smaller) j reads.
     steps = {}
     for j in range(seq_len - 2, start - 1, -1):
-        tokens = trace.greedy[:, j + 1 : j + 2]
         steps[j], _ = draft.forward(
-            embed[tokens],
+            embed[trace.greedy[:, j + 1 : j + 2]],
             prenorm[:, j - start : j - start + 1],
             torch.full((batch, 1), j + 1),
         )
