@@ -435,5 +435,4 @@ def run(s: Settings) -> Path:
 def _measure(s: Settings, urls: Urls, out: Path, progress: Clock) -> None:
     _write_layout(s, urls, out)
     overhead_step(s, urls, out, progress)
-    plan = sweep_plan(s, urls, out / "raw", _tokenizer(s))
-    sweep_step(plan, out, progress)
+    sweep_step(sweep_plan(s, urls, out / "raw", _tokenizer(s)), out, progress)

@@ -136,12 +136,11 @@ def _router_target(overhead: Mapping[str, Any] | None) -> Target:
     p50 = overhead.get("p50_overhead_ms")
     low, high = (overhead.get("p50_overhead_interval_ms") or [None, None])[:2]
     stubs = overhead.get("stubs") or {}
-    stub_p50 = stubs.get("p50_overhead_ms")
     measured = (
         f"real stack {fmt(p50, 2)} ms (95% interval {fmt(low, 1)} to "
         f"{fmt(high, 1)} ms; p99 {fmt(overhead.get('p99_overhead_ms'), 1)} ms)"
     )
-    if stub_p50 is not None:
+    if (stub_p50 := stubs.get("p50_overhead_ms")) is not None:
         measured += (
             f"; stub backends {fmt(stub_p50, 2)} ms "
             f"(p99 {fmt(stubs.get('p99_overhead_ms'), 2)} ms)"
@@ -209,13 +208,12 @@ def _checksum_target(result: kv_checksum.Result | None) -> Target:
         return Target(name, target, "not measured", None)
     on, off = (result.side(k, CHECKSUM_INPUT_LEN) for k in kv_checksum.STATES)
     assert on is not None and off is not None
-    digest_s = kv_checksum.digest_seconds(result)
     note = (
         f"transfer p50 on / off {fmt(on.p50_transfer(), 1)} / "
         f"{fmt(off.p50_transfer(), 1)} ms; "
         f"{len(on.ttft_ms)} / {len(off.ttft_ms)} requests"
     )
-    if digest_s is not None:
+    if (digest_s := kv_checksum.digest_seconds(result)) is not None:
         share = 2 * digest_s * 1e3 / (off.p50_ttft() or float("nan"))
         note += (
             f"; the digest alone (one thread, prefill and decode once each): "
