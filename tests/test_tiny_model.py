@@ -88,8 +88,7 @@ def test_ensure_models_generates_once_then_reuses(
     calls: list[Path] = []
     monkeypatch.setattr(tm.cache, "generate", _fake_generate(calls))
     first = tm.ensure_models(tmp_path, progress=lambda _: None)
-    second = tm.ensure_models(tmp_path, progress=lambda _: None)
-    assert first == second
+    assert tm.ensure_models(tmp_path, progress=lambda _: None) == first
     assert len(calls) == 1
     assert first.target.parent.name.endswith(tm.generator_stamp()[:16])
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.target.parent.name]
