@@ -85,14 +85,9 @@ def bad_inputs(
         "min_tokens over max_tokens": {**base, "max_tokens": 3, "min_tokens": 5},
         # Prefill serves four engine requests (sibling transfer ids); decode
         # refuses the API request, and its notice must release all four.
-        "min_tokens over max_tokens, n 2 over 2 prompts": {
-            **base,
-            "prompt": [prompt, prompt_of(40, salt=3202)],
-            "n": 2,
-            "temperature": 1.0,
-            "max_tokens": 3,
-            "min_tokens": 5,
-        },
+        "min_tokens over max_tokens, n 2 over 2 prompts": greedy(
+            [prompt, prompt_of(40, salt=3202)], 3, n=2, temperature=1.0, min_tokens=5
+        ),
         "n 1000000": {**base, "n": 1_000_000, "temperature": 1.0},
         "n 2 greedy": {**base, "n": 2},
         "temperature -1": {**base, "temperature": -1},
@@ -142,12 +137,7 @@ def test_n_children_share_one_transfer_without_stranding_blocks(
     prefill for good, and decode's children raced for the one send (a child
     pulling after it was done hung for good: seen here once in six runs). With
     the plugin each child has its own transfer id (test_siblings.py)."""
-    body = {
-        **greedy(faults.prompt(50, salt=3300), 8),
-        "n": 4,
-        "temperature": 1.0,
-        "seed": 7,
-    }
+    body = greedy(faults.prompt(50, salt=3300), 8, n=4, temperature=1.0, seed=7)
     before = fh.counters(faults)
     got = fh.post(faults.router, body, timeout=faults.bounds["request"])
     waited, found = fh.wait_idle(faults, faults.bounds["idle"])
