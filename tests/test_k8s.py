@@ -420,8 +420,7 @@ def placement_violations(objects: list[Object]) -> Iterator[str]:
 
 def test_every_overlay_has_a_profile_a_compose_twin_and_docs() -> None:
     assert {p.name for p in OVERLAY_DIR.iterdir() if p.is_dir()} == set(OVERLAYS)
-    profiles = {p.stem for p in (config.CONFIGS / "profiles").glob("*.yaml")}
-    assert set(OVERLAYS) <= profiles
+    assert set(OVERLAYS) <= set(config.profile_names())
     docs = (ROOT / "docs" / "kubernetes.md").read_text()
     for overlay in OVERLAYS:
         assert f"apply -k k8s/overlays/{overlay}" in docs, overlay
