@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 from pdstack import config, supervisor, wait
+from pdstack.compose import ROOT
 from pdstack.supervisor import HOST, Urls, urls
 
-ROOT = Path(__file__).resolve().parent.parent
 RUN_DIR = Path(os.environ.get("PD_RUN_DIR", ROOT / "run" / "twin"))
 ROLE_NAMES = (*config.ROLES, "router")
 

@@ -27,14 +27,13 @@ def poll(
     interval_s: float = 0.25,
     describe: Callable[[T], str] = repr,
     progress: Callable[[str], None] | None = None,
-    note_every_s: float = 15.0,
 ) -> T:
     """The one poll loop: call ``probe`` until ``done(value)``, at most
     ``deadline_s`` seconds; returns the last value.
 
     On the deadline it raises :class:`WaitError` saying what it waited for
     and the last value seen (``describe``), so a failure carries its numbers.
-    ``progress`` gets a line every ``note_every_s`` on long waits.
+    ``progress`` gets a line every 15 s on long waits.
     """
     start = time.monotonic()
     last_note = start
@@ -48,7 +47,7 @@ def poll(
                 f"gave up after {deadline_s:.1f}s waiting for {what}; "
                 f"last seen: {describe(value)}"
             )
-        if progress is not None and now - last_note >= note_every_s:
+        if progress is not None and now - last_note >= 15.0:
             progress(f"  ... waiting for {what} ({now - start:.0f}s)")
             last_note = now
         time.sleep(min(interval_s, max(0.0, start + deadline_s - now)))
