@@ -161,6 +161,7 @@ KIMI_LIKE = Path(__file__).parent / "data" / "kimi-k2.5"
 KIMI = dict(
     model_config=KIMI_LIKE / "config.json", draft_config=KIMI_LIKE / "draft_config.json"
 )
+KIMI_KV = config.vllm_flags("decode", "kimi-k2.5", "gpu")["kv-transfer-config"]
 
 
 def test_hub_profile_with_given_configs_is_checked() -> None:
@@ -176,9 +177,8 @@ def test_hub_profile_with_given_configs_is_checked() -> None:
 def _kimi(staging_mib: int | None = None) -> list[preflight.Check]:
     overrides = {}
     if staging_mib is not None:
-        kv = config.vllm_flags("decode", "kimi-k2.5", "gpu")["kv-transfer-config"]
-        extra = {**kv["kv_connector_extra_config"], staging.KEY: staging_mib}
-        overrides["kv-transfer-config"] = {**kv, "kv_connector_extra_config": extra}
+        extra = {**KIMI_KV["kv_connector_extra_config"], staging.KEY: staging_mib}
+        overrides["kv-transfer-config"] = KIMI_KV | {"kv_connector_extra_config": extra}
     return preflight.run(["kimi-k2.5"], SM90, ("decode",), overrides, **KIMI)
 
 
@@ -188,8 +188,7 @@ def test_a_staging_buffer_shorter_than_max_model_len_is_named() -> None:
     (c,) = _kimi()
     assert c.status == "accepted" and c.kernel_block_size and c.staged_tokens
     block_bytes = [r["bytes_per_block"] for r in c.regions for _ in range(r["layers"])]
-    kv = config.vllm_flags("decode", "kimi-k2.5", "gpu")["kv-transfer-config"]
-    capacity = kv["kv_connector_extra_config"][staging.KEY] << 20
+    capacity = KIMI_KV["kv_connector_extra_config"][staging.KEY] << 20
     blocks = c.staged_tokens // c.kernel_block_size
     assert staging.span_bound([blocks], block_bytes) <= capacity
     assert staging.span_bound([blocks + 1], block_bytes) > capacity
