@@ -188,7 +188,6 @@ def test_recorded_router_legs_follow_the_protocol() -> None:
 
 
 def in_kv(**changes: Any) -> Any:
-    """An edit of a leg's kv_transfer_params."""
     return lambda body: body["kv_transfer_params"].update(changes)
 
 
@@ -577,7 +576,7 @@ def test_report_breaks_staged_sends_down_by_phase(run_dir: Path) -> None:
     write_kv_path_run(run_dir)
     kv = run_dir / "kv_path" / "staged" / "fresh" / "pd-in4096-c1-r2.kv.json"
     kv.write_text(json.dumps(json.loads(kv.read_text()) | dict.fromkeys(
-        ("gather_seconds", "write_seconds", "scatter_seconds"), 0.0)))  # fmt: skip
+        map(kv_phases.key, kv_phases.PHASES), 0.0)))  # fmt: skip
     summary, text = built(run_dir)
     assert ("| state | pass | prompt | staged requests | gather p50 ms | "
             "write p50 ms | scatter p50 ms | transfer p50 ms | TTFT p50 ms |"
@@ -605,9 +604,9 @@ def test_kv_path_phases_of_a_run_without_them_are_not_made_up(run_dir: Path) -> 
 
 def staging(**phases: float) -> m.Snapshot:
     """Staging seconds by phase, as a server's /metrics gives them."""
-    samples = {(m.STAGING_SECONDS, frozenset({("phase", p)})): v
-               for p, v in phases.items()}  # fmt: skip
-    return m.Snapshot(samples)
+    return m.Snapshot(
+        {(m.STAGING_SECONDS, frozenset({("phase", p)})): v for p, v in phases.items()}
+    )
 
 
 def test_decode_phases_settle_like_prefills_counters(
