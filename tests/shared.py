@@ -36,7 +36,6 @@ SMALL_RUN = Path(__file__).resolve().parent.parent / "bench" / "fixtures" / "sma
 
 
 def bench_settings(argv: list[str] | None = None, **env: str) -> settings.Settings:
-    """The bench's settings from its command line and environment."""
     parser = argparse.ArgumentParser()
     settings.add_arguments(parser, env)
     return settings.from_args(parser.parse_args(argv or []))
