@@ -34,8 +34,7 @@ DEADLINE_S = 300.0
 
 def model_path(url: str) -> str:
     """The served model's path (its tokenizer), as vLLM reports it."""
-    models = requests.get(f"{url}/v1/models", timeout=10).json()["data"]
-    return str(models[0]["root"])
+    return str(requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["root"])
 
 
 def write_layout(stack: Stack, out: Path) -> None:
