@@ -77,11 +77,6 @@ class HostsTwin:
     def router(self) -> str:
         return self.url(ROUTER)
 
-    def _by_name(self, role: str) -> str:
-        # As a pod's DNS name: what the router holds resolves anew.
-        port = self.port(self.servers(role)[0])
-        return ",".join(f"http://{n}:{port}" for n in self.servers(role))
-
     # --- life cycle --------------------------------------------------------
 
     def up(self) -> HostsTwin:
@@ -114,8 +109,12 @@ class HostsTwin:
         or without ``wait_healthy`` its health deadline (to wait for it later)."""
         host = self.net[name]
         role = role_of(name)
-        # Urls' fields in order: router, prefill, decode, bootstrap_port.
-        by_name = map(self._by_name, config.ROLES)
+        # Urls' fields in order: router, prefill, decode, bootstrap_port; the
+        # servers by name, as pods' DNS names: what the router holds resolves anew.
+        by_name = [
+            ",".join(f"http://{n}:{self.port(n)}" for n in self.servers(role))
+            for role in config.ROLES
+        ]
         u = supervisor.Urls(self.router, *by_name, self.ports.bootstrap)
         # serve reads site overrides (PD_ENGINE_ID) from the environment, as
         # inside a container; the router listens on its host's address.
