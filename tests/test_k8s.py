@@ -264,7 +264,6 @@ def secret_violations(objects: list[Object]) -> Iterator[str]:
             yield f"ConfigMap {o['metadata']['name']}: secret {key} in a ConfigMap"
     for name, workload in workloads(objects).items():
         for container in all_containers(workload):
-            # secretKeyRef and friends are fine: only plain values are checked.
             env = container.get("env", [])
             plain = {e["name"]: str(e["value"]) for e in env if "value" in e}
             where = f"{name}/{container['name']}"
