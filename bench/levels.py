@@ -88,12 +88,6 @@ class Pair:
         level = getattr(self, target)
         return level.values.get(key) if level else None
 
-    def ratios(self) -> dict[str, float | None]:
-        return {
-            key: ratio(self.value("pd", key), self.value("colocated", key))
-            for key, _ in METRICS
-        }
-
     def kv_cost(self) -> kv_transfer.TransferCost | None:
         if self.kv_counters is None or self.pd is None:
             return None

@@ -191,7 +191,10 @@ def summary(run: Run) -> dict[str, Any]:
                 "concurrency": p.concurrency,
                 "pd": p.pd.values if p.pd else None,
                 "colocated": p.colocated.values if p.colocated else None,
-                "ratio_pd_over_colocated": p.ratios(),
+                "ratio_pd_over_colocated": {
+                    key: ratio(p.value("pd", key), p.value("colocated", key))
+                    for key, _ in METRICS
+                },
                 "kv": asdict(c) if (c := p.kv_cost()) else None,
             }
             for p in run.pairs
