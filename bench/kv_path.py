@@ -128,7 +128,6 @@ class Cell:
         return p50(r.ttft_ms for r in self.requests)
 
     def share(self) -> float | None:
-        """Transfer p50 as a share of TTFT p50."""
         return ratio(self.transfer_ms(), self.ttft_ms())
 
     def staged(self) -> int | None:
