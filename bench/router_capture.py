@@ -15,7 +15,7 @@ import contextlib
 import copy
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ import requests
 
 from bench import http_tap
 from pdstack import supervisor
-from pdstack.supervisor import HOST, free_port
+from pdstack.supervisor import HOST, Progress, free_port
 
 REQUEST_TIMEOUT_S = 120.0
 PROMPT = (
@@ -48,7 +48,6 @@ PREFILL_PARAMS = {
     "do_remote_prefill": False,
     "transfer_id": str,
 }
-Progress = Callable[[str], None]
 # The taps router_behind puts the router behind, in its order.
 TAPS = ("prefill", "decode", "bootstrap")
 
