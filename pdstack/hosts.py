@@ -109,13 +109,18 @@ class HostsTwin:
         or without ``wait_healthy`` its health deadline (to wait for it later)."""
         host = self.net[name]
         role = role_of(name)
-        # Urls' fields in order: router, prefill, decode, bootstrap_port; the
-        # servers by name, as pods' DNS names: what the router holds resolves anew.
-        by_name = [
-            ",".join(f"http://{n}:{self.port(n)}" for n in self.servers(role))
-            for role in config.ROLES
-        ]
-        u = supervisor.Urls(self.router, *by_name, self.ports.bootstrap)
+        # The servers by name, as pods' DNS names: what the router holds
+        # resolves anew.
+        by_name = {
+            r: ",".join(f"http://{n}:{self.port(n)}" for n in self.servers(r))
+            for r in config.ROLES
+        }
+        u = supervisor.Urls(
+            router=self.router,
+            prefill=by_name["prefill"],
+            decode=by_name["decode"],
+            bootstrap_port=self.ports.bootstrap,
+        )
         # serve reads site overrides (PD_ENGINE_ID) from the environment, as
         # inside a container; the router listens on its host's address.
         site = {"PD_ENGINE_ID": name} if role == "prefill" else {}

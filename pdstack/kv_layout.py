@@ -147,14 +147,15 @@ def served(
     ``vllm:cache_config_info`` (the engine's block size, after vLLM chose it
     for its attention backends) and the plugin's ``vllm:mooncake_kv_cache_info``
     (the KV element type with "auto" resolved, the tensor-parallel width)."""
-    if missing := [
+    missing = [
         name
         for name, labels, key in (
             ("vllm:cache_config_info", cache_info, "block_size"),
             ("vllm:mooncake_kv_cache_info", kv_info, "kv_cache_dtype"),
         )
         if not labels.get(key)
-    ]:
+    ]
+    if missing:
         raise LayoutError(
             f"the server's /metrics lacks {' and '.join(missing)} (is the "
             "PDMooncakeConnector plugin installed and the connector configured?)"

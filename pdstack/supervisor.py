@@ -55,9 +55,12 @@ class Urls:
 
 def urls(ports: config.Ports | None = None) -> Urls:
     p = config.ports() if ports is None else ports
-    # Urls' first three fields, in order.
-    bases = (f"http://{HOST}:{port}" for port in (p.router, p.prefill, p.decode))
-    return Urls(*bases, bootstrap_port=p.bootstrap)
+    return Urls(
+        router=f"http://{HOST}:{p.router}",
+        prefill=f"http://{HOST}:{p.prefill}",
+        decode=f"http://{HOST}:{p.decode}",
+        bootstrap_port=p.bootstrap,
+    )
 
 
 def router_command(
