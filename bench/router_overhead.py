@@ -73,36 +73,48 @@ def measure(
     bootstrap: str,
     model: str,
     pairs: int,
+    max_tokens: int = 2,
     warmup: int = 3,
     progress: router_capture.Progress = print,
 ) -> Overhead:
+    """Alternate router and direct requests on the same prompts."""
     engine = router_capture.engine_id(bootstrap)
     via_router = Connection(router_url)
     to_prefill, to_decode = Connection(prefill_url), Connection(decode_url)
-    conns = (via_router, to_prefill, to_decode)
+    path = "/v1/completions"
     result = Overhead()
     last_note = time.monotonic()
 
-    def timed(conn: Connection, data: bytes) -> float:
+    def router_once(routed: bytes) -> float:
         start = time.perf_counter()
-        conn.post("/v1/completions", data)
+        via_router.post(path, routed)
         return (time.perf_counter() - start) * 1e3
+
+    def direct_once(legs: list[bytes]) -> tuple[float, float, float]:
+        start = time.perf_counter()
+        to_prefill.post(path, legs[0])
+        mid = time.perf_counter()
+        to_decode.post(path, legs[1])
+        end = time.perf_counter()
+        return (end - start) * 1e3, (mid - start) * 1e3, (end - mid) * 1e3
 
     try:
         for i in range(warmup + pairs):
             body = {"model": model, "prompt": f"{i} {router_capture.PROMPT}",
-                    "max_tokens": 2, "temperature": 0.0,
+                    "max_tokens": max_tokens, "temperature": 0.0,
                     "ignore_eos": True}  # fmt: skip
-            # The routed body, then the two legs the router would send for it.
-            bodies = (body, *router_capture.build_legs(body, engine, bootstrap))
-            sends = list(
-                zip(conns, (json.dumps(b).encode() for b in bodies), strict=True)
-            )
-            # Alternate which path goes first (the router on odd i), so neither
-            # always finds the servers just woken (or just busy).
-            order = sends if i % 2 else [*sends[1:], sends[0]]
+            routed = json.dumps(body).encode()
+            prefill, decode = router_capture.build_legs(body, engine, bootstrap)
+            legs = [json.dumps(prefill).encode(), json.dumps(decode).encode()]
+            # Alternate which path goes first, so neither always finds the
+            # servers just woken (or just busy).
             try:
-                ms = {c: timed(c, data) for c, data in order}
+                if i % 2:
+                    router = router_once(routed)
+                    direct = direct_once(legs)
+                else:
+                    direct = direct_once(legs)
+                    router = router_once(routed)
             except router_capture.ProtocolError as exc:
                 # A failed request (e.g. a KV transfer timing out on a busy
                 # host) drops its pair; many of them end the measurement.
@@ -111,15 +123,15 @@ def measure(
                     raise
                 continue
             if i >= warmup:
-                result.router_ms.append(ms[via_router])
-                result.direct_ms.append(ms[to_prefill] + ms[to_decode])
-                result.prefill_leg_ms.append(ms[to_prefill])
-                result.decode_leg_ms.append(ms[to_decode])
+                result.router_ms.append(router)
+                result.direct_ms.append(direct[0])
+                result.prefill_leg_ms.append(direct[1])
+                result.decode_leg_ms.append(direct[2])
             if time.monotonic() - last_note > 15:
                 progress(f"  ... {i + 1 - warmup}/{pairs} pairs")
                 last_note = time.monotonic()
     finally:
-        for conn in conns:
+        for conn in (via_router, to_prefill, to_decode):
             conn.close()
     return result
 
