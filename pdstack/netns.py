@@ -6,7 +6,7 @@ Mooncake advertise through ``VLLM_HOST_IP``), names from its own
 ``/etc/netns/<ns>/hosts`` (``ip netns exec`` mounts it over ``/etc/hosts``,
 as a cluster DNS would answer). The hosts hang on a bridge in a namespace of
 its own; this process reaches them through one more veth pair, the
-"client" side. Addresses come from 198.18.0.0/15 (RFC 2544, network
+"client" side. Addresses come from 198.18.0.0/16 (RFC 2544, network
 benchmarks), a /24 of it for each tag; no host has a default route and
 nothing is NATed, so no packet can leave the machine.
 
@@ -34,7 +34,9 @@ PREFIX = "pdh-"
 # Each tag gets a /24 of its own: two tags' client links on one subnet would
 # give the root namespace two routes to it, and one run would talk to the
 # other's hosts (``create`` refuses a subnet some other link already routes).
-SPACE = ipaddress.ip_network("198.18.0.0/15")
+# The lower half of RFC 2544's 198.18.0.0/15: the upper half, 198.19.0.0/16,
+# is Docker's (scripts/docker-engine.sh, docker/compose.cpu.yaml).
+SPACE = ipaddress.ip_network("198.18.0.0/16")
 NETNS_ETC = Path("/etc/netns")
 # Linux interface names: at most 15 characters.
 IFNAME_MAX = 15
