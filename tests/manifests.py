@@ -90,7 +90,7 @@ def served(
     assert command[:3] == ["python3", "-m", "pdstack.serve"], command
     capsys.readouterr()
     with monkeypatch.context() as patch:
-        for name in {*ports(), "PD_PROFILE", *config.ENV_OVERRIDES}:
+        for name in {*ports(), "PD_PROFILE", "PD_TARGET", *config.ENV_OVERRIDES}:
             patch.delenv(name, raising=False)
         for name, value in env.items():
             patch.setenv(name, value)

@@ -239,6 +239,7 @@ def test_invariants_hold(profiles: tuple[str, ...]) -> None:
 def test_default_run_is_the_tcp_trio_publishing_only_the_router_port() -> None:
     port = ports()["ROUTER_PORT"]
     assert published(compose_config()) == {
+        "prepare": [],
         "prefill": [],
         "decode": [],
         "router": [("", port, port)],
@@ -248,7 +249,8 @@ def test_default_run_is_the_tcp_trio_publishing_only_the_router_port() -> None:
 def test_naming_the_rdma_router_runs_exactly_the_rdma_trio() -> None:
     # `docker compose up router-rdma`: its profile is enabled by naming it.
     model = compose_config(options=["router-rdma"])
-    assert set(model["services"]) == set(manifests.RDMA_TRIO)
+    # With the one-shot that generates the profile's models first.
+    assert set(model["services"]) == {*manifests.RDMA_TRIO, "prepare"}
 
 
 def test_e2e_override_publishes_only_prefill_and_decode_http_on_loopback() -> None:
@@ -260,6 +262,7 @@ def test_e2e_override_publishes_only_prefill_and_decode_http_on_loopback() -> No
     model = json.loads(result.stdout)
     port = ports()
     assert published(model) == {
+        "prepare": [],
         "prefill": [("127.0.0.1", port["PREFILL_PORT"], port["PREFILL_PORT"])],
         "decode": [("127.0.0.1", port["DECODE_PORT"], port["DECODE_PORT"])],
         "router": [("", port["ROUTER_PORT"], port["ROUTER_PORT"])],
@@ -463,10 +466,13 @@ def test_compose_runs_pdstack_serve_for_its_role_on_gpu(
     command = compose_config(PROFILES)["services"][name]["command"]
     role = SERVERS[name]
     opts = dict(zip(command[3::2], command[4::2], strict=True))
-    assert opts == {"--role": role, "--target": "gpu"}
+    # The target is the image's (PD_TARGET: gpu unless built with TARGET=cpu).
+    assert opts == {"--role": role}
     # The real CLI, no stubs; kimi-k2.5 needs no model generation to print.
     kimi = [*command, "--profile", "kimi-k2.5"]
-    env_line, argv_line = manifests.served(kimi, {}, monkeypatch, capsys).splitlines()
+    image_env = {"PD_TARGET": "gpu"}
+    output = manifests.served(kimi, image_env, monkeypatch, capsys)
+    env_line, argv_line = output.splitlines()
     argv = argv_line.split()
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])

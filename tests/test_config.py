@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdstack import config
+from pdstack import config, serve
 
 
 def test_roles_differ_only_in_kv_role() -> None:
@@ -25,11 +25,15 @@ def test_render_turns_mappings_into_json_and_true_into_bare_flags() -> None:
     assert argv == ["--enforce-eager", "--cfg", '{"a":"/m"}', "--n", "3"]
 
 
-def test_cpu_twin_keeps_kv_traffic_on_loopback() -> None:
-    """Mooncake advertises get_ip(); unset, that is the first interface."""
-    env = config.server_env("prefill", "cpu", 8998)
-    assert env["VLLM_HOST_IP"] == "127.0.0.1"
-    assert env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "8998"
+def test_a_server_bound_to_one_address_advertises_it() -> None:
+    """Mooncake advertises get_ip(); unset, that is the first interface: the
+    twin (bound to loopback) keeps its KV traffic there, a container (bound to
+    every address) advertises its own address."""
+    _, twin_env = serve.command("prefill", "kimi-k2.5", "cpu", "127.0.0.1")
+    assert twin_env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert twin_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == str(config.ports().bootstrap)
+    _, container_env = serve.command("prefill", "kimi-k2.5", "cpu", "0.0.0.0")
+    assert "VLLM_HOST_IP" not in container_env
 
 
 def test_env_overrides_reach_the_connector_config() -> None:
