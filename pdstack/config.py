@@ -218,9 +218,24 @@ def server_env(role: str, target_name: str, bootstrap_port: int) -> dict[str, st
     return env
 
 
+# configs/router.yaml's section for pdstack.front (the router's front), not
+# vllm-router flags.
+FRONT_KEY = "front"
+
+
 def router_flags() -> dict[str, Any]:
     """configs/router.yaml: the flags every router gets."""
-    return _load(CONFIGS / "router.yaml")
+    flags = _load(CONFIGS / "router.yaml")
+    flags.pop(FRONT_KEY, None)
+    return flags
+
+
+def front_settings() -> dict[str, Any]:
+    """configs/router.yaml's ``front``: pdstack.front's liveness guard."""
+    settings = _load(CONFIGS / "router.yaml").get(FRONT_KEY)
+    if not isinstance(settings, dict):
+        raise ConfigError(f"configs/router.yaml: no '{FRONT_KEY}' mapping")
+    return settings
 
 
 def router_args(

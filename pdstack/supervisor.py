@@ -39,6 +39,8 @@ STOP_GRACE_S = 20.0
 # psutil's create_time is boot time plus clock ticks: the same for one
 # process every time, but a float.
 SAME_START_S = 0.01
+# The checkout pdstack is imported from (for the router's `python -m`).
+ROOT = Path(__file__).resolve().parent.parent
 Progress = Callable[[str], None]
 
 
@@ -69,19 +71,25 @@ def router_command(
     metrics_port: int | None = None,
     host: str = HOST,
 ) -> list[str]:
-    """vllm-router's argv for ``u``, listening on ``host``; ``extra`` flags
-    win (argparse: last wins). ``metrics_port`` None: configs/ports.env's
+    """The stack's router for ``u`` (``pdstack.route``: vllm-router behind
+    the front), listening on ``host``; ``extra`` vllm-router flags win
+    (argparse: last wins). ``metrics_port`` None: configs/ports.env's
     ROUTER_METRICS_PORT."""
-    program = Path(sys.executable).parent / "vllm-router"
     port = urlsplit(u.router).port
     assert port is not None, u.router
-    return [
-        str(program) if program.exists() else "vllm-router",
-        *config.router_args(
-            u.prefill, u.bootstrap_port, u.decode, host, port, metrics_port
-        ),
-        *extra,
-    ]
+    options = {
+        "--prefill": u.prefill,
+        "--decode": u.decode,
+        "--host": host,
+        "--port": port,
+        "--bootstrap-port": u.bootstrap_port,
+        "--metrics-port": config.ports().router_metrics
+        if metrics_port is None
+        else metrics_port,
+    }
+    argv = [sys.executable, "-m", "pdstack.route"]
+    argv += [str(word) for item in options.items() for word in item]
+    return [*argv, "--", *extra]
 
 
 def role_command(
@@ -90,7 +98,10 @@ def role_command(
     """On the CPU, listening on ``host``: vllm-router for ``u`` or one server
     of ``profile`` (``pdstack.serve``); its argv, environment, health deadline."""
     if role == "router":
-        return router_command(u, router_extra, host=host), {}, ROUTER_DEADLINE_S
+        # pdstack from this checkout, wherever the caller was started.
+        path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+        argv = router_command(u, router_extra, host=host)
+        return argv, {"PYTHONPATH": path}, ROUTER_DEADLINE_S
     return *serve.command(role, profile, "cpu", host), SERVER_DEADLINE_S
 
 

@@ -1,28 +1,43 @@
-"""pdstack.route's authenticating proxy, against a stand-in for vllm-router.
+"""pdstack.front, the router's front, against a stand-in for vllm-router.
 
 vllm-router 0.1.17 does not check its clients' key (the e2e fault suite shows
-it on the twin); with ROUTER_API_KEY_FILE set, pdstack.route answers in front
-of it.
+it on the twin): with ROUTER_API_KEY_FILE set the front refuses requests
+without it. vllm-router waits for a frozen prefill for 30 minutes: the front
+cuts a request that has had no byte while a backend fails its health probes;
+the backend here is a real server process frozen with SIGSTOP.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import requests
 from aiohttp import web
 
-from pdstack import route
+from pdstack import config, front, route, wait
 from pdstack.supervisor import free_port
 from tests.shared import serving
 
 KEY = "k-3f9a1c"
 CHUNKS = 3
+# Short, so that each case takes seconds: a backend is unresponsive after two
+# probes of 0.5 s missed, 0.2 s apart.
+LIVENESS = front.Liveness(interval_s=0.2, timeout_s=0.5, misses=2, quiet_s=0.5)
+# From a freeze to the cut: misses x (timeout + interval) + quiet, with slack.
+CUT_WITHIN_S = 2 * (0.5 + 0.2) + 0.5 + 2.0
+# A slow answer on a live stack: many probe rounds and quiet periods long.
+SLOW_S = 3.0
 
 
 class Upstream:
@@ -59,10 +74,37 @@ class Upstream:
                 self.disconnected.set()
                 raise
 
+        async def slow(request: web.Request) -> web.Response:
+            await asyncio.sleep(SLOW_S)
+            return web.Response(text="done")
+
+        async def hang(request: web.Request) -> web.StreamResponse:
+            # Like vllm-router waiting on a frozen prefill's leg: nothing.
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.disconnected.set()
+                raise
+            return web.Response()
+
+        async def stall(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse()
+            await response.prepare(request)
+            await response.write(b"data: 0\n\n")
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.disconnected.set()
+                raise
+            return response
+
         app = web.Application()
         app.router.add_get("/health", health)
         app.router.add_post("/v1/completions", completions)
         app.router.add_post("/v1/endless", endless)
+        app.router.add_post("/v1/slow", slow)
+        app.router.add_post("/v1/hang", hang)
+        app.router.add_post("/v1/stall", stall)
         return app
 
 
@@ -70,7 +112,7 @@ class Upstream:
 def proxy() -> Iterator[tuple[str, Upstream]]:
     upstream = Upstream()
     up_port, proxy_port = free_port(), free_port()
-    proxied = route.auth_proxy_app(KEY, f"http://127.0.0.1:{up_port}")
+    proxied = front.front_app(f"http://127.0.0.1:{up_port}", [], LIVENESS, KEY)
     with serving(
         {up_port: upstream.app(), proxy_port: proxied}, handler_cancellation=True
     ):
@@ -150,3 +192,127 @@ def test_backend_listens_on_loopback_behind_the_proxy() -> None:
     assert (parsed.host, parsed.port) == ("127.0.0.1", 9001)
     assert parsed.prometheus_host == "0.0.0.0"
     assert route.internal_port({**env, "ROUTER_INTERNAL_PORT": "7777"}) == 7777
+
+
+# --- the liveness guard ---------------------------------------------------------
+
+
+@pytest.fixture
+def backend(tmp_path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real server process answering GET /health (python -m http.server)."""
+    (tmp_path / "health").write_text("ok")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait.poll(lambda: wait.healthy(url), bool, 30, "http.server", interval_s=0.1)
+        yield url, proc
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def guarded(backend: tuple[str, subprocess.Popen]) -> Iterator[tuple[str, Upstream]]:
+    """The front without a key, guarding ``backend``, before a stand-in router."""
+    upstream = Upstream()
+    up_port, front_port = free_port(), free_port()
+    app = front.front_app(f"http://127.0.0.1:{up_port}", [backend[0]], LIVENESS)
+    with serving({up_port: upstream.app(), front_port: app}, handler_cancellation=True):
+        yield f"http://127.0.0.1:{front_port}", upstream
+
+
+def freeze(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGSTOP)
+    stat = Path(f"/proc/{proc.pid}/stat")
+    wait.poll(
+        lambda: stat.read_text().split()[2],
+        lambda state: state == "T",
+        10,
+        "the backend stopped",
+        interval_s=0.05,
+    )
+
+
+def test_a_frozen_server_still_completes_tcp_handshakes(
+    backend: tuple[str, subprocess.Popen],
+) -> None:
+    """Why a connect probe is no liveness check: the kernel answers for it."""
+    url, proc = backend
+    freeze(proc)
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=2):
+        pass
+    assert not wait.healthy(url, timeout=1.0)
+
+
+def test_a_request_stuck_behind_a_frozen_backend_gets_a_503_in_seconds(
+    backend: tuple[str, subprocess.Popen], guarded: tuple[str, Upstream]
+) -> None:
+    url, upstream = guarded
+    freeze(backend[1])
+    start = time.monotonic()
+    answer = requests.post(f"{url}/v1/hang", json=BODY, timeout=30)
+    took = time.monotonic() - start
+    print(f"503 after {took:.2f}s")
+    assert answer.status_code == 503
+    assert backend[0] in answer.json()["error"]["message"]
+    assert took < CUT_WITHIN_S
+    assert upstream.disconnected.wait(timeout=10), "the router's request stayed open"
+
+
+def test_a_stream_stalled_behind_a_frozen_backend_is_cut(
+    backend: tuple[str, subprocess.Popen], guarded: tuple[str, Upstream]
+) -> None:
+    url, _ = guarded
+    answer = requests.post(f"{url}/v1/stall", json=BODY, stream=True, timeout=30)
+    assert answer.status_code == 200
+    lines = answer.iter_lines()
+    assert next(filter(None, lines)) == b"data: 0"
+    freeze(backend[1])
+    start = time.monotonic()
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        list(lines)
+    assert time.monotonic() - start < CUT_WITHIN_S
+
+
+def test_negative_control_a_slow_answer_on_a_live_stack_is_not_cut(
+    guarded: tuple[str, Upstream],
+) -> None:
+    url, _ = guarded
+    start = time.monotonic()
+    answer = requests.post(f"{url}/v1/slow", json=BODY, timeout=30)
+    assert (answer.status_code, answer.text) == (200, "done")
+    assert time.monotonic() - start >= SLOW_S
+
+
+def test_negative_control_unguarded_a_request_behind_a_frozen_backend_waits(
+    backend: tuple[str, subprocess.Popen],
+) -> None:
+    """With nothing to probe (vllm-router's own behaviour), the same request
+    is still waiting long after the guard would have cut it."""
+    upstream = Upstream()
+    up_port, front_port = free_port(), free_port()
+    app = front.front_app(f"http://127.0.0.1:{up_port}", [], LIVENESS)
+    with serving({up_port: upstream.app(), front_port: app}, handler_cancellation=True):
+        freeze(backend[1])
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(
+                f"http://127.0.0.1:{front_port}/v1/hang",
+                json=BODY,
+                timeout=CUT_WITHIN_S,
+            )
+
+
+def test_the_front_settings_bound_a_cut_within_30_seconds() -> None:
+    """configs/router.yaml's worst case, freeze to 503, well inside the 60 s
+    a client may wait for a terminal answer."""
+    live = front.Liveness.of(config.front_settings())
+    worst = live.misses * (live.probe_bound_s) + live.quiet_s + front.WATCH_S
+    assert worst <= 30
