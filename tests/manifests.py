@@ -85,14 +85,16 @@ def served(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> str:
-    """What `pdstack.serve ... --print` says it would exec, under ``env`` alone
-    (every variable pdstack.serve reads cleared first)."""
+    """What `pdstack.serve ... --print` says it would exec in the GPU serving
+    image, under ``env`` alone (every variable pdstack.serve reads cleared
+    first)."""
     assert command[:3] == ["python3", "-m", "pdstack.serve"], command
     capsys.readouterr()
     with monkeypatch.context() as patch:
         for name in {*ports(), "PD_PROFILE", "PD_TARGET", *config.ENV_OVERRIDES}:
             patch.delenv(name, raising=False)
-        for name, value in env.items():
+        # What the GPU serving image sets (its ENV), unless ``env`` says.
+        for name, value in {"PD_TARGET": "gpu", **env}.items():
             patch.setenv(name, value)
         serve.main([*command[3:], "--print"])
     return capsys.readouterr().out

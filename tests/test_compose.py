@@ -331,13 +331,13 @@ def test_secret_checker_catches_violations() -> None:
     model = compose_config()
     model["services"]["prefill"]["environment"]["HF_TOKEN"] = "hf_abc"
     model["services"]["router"]["environment"]["ROUTER_API_KEY_FILE"] = "/tmp/key"
-    model["services"]["decode"]["environment"]["VLLM_API_KEY_FILE"] = (
+    model["services"]["decode"]["environment"]["PD_API_KEY_FILE"] = (
         "/run/secrets/grafana_admin_password"
     )
     model["services"]["decode"]["secrets"].append({"source": "x", "target": "/x"})
     assert secret_violations(model) == [
         "decode: undefined secrets ['x']",
-        "decode: VLLM_API_KEY_FILE is not a file from a secret",
+        "decode: PD_API_KEY_FILE is not a file from a secret",
         "prefill: secret HF_TOKEN as a plain value",
         "router: ROUTER_API_KEY_FILE is not a file from a secret",
     ]
@@ -471,9 +471,7 @@ def test_compose_runs_pdstack_serve_for_its_role_on_gpu(
     assert opts == {"--role": role}
     # The real CLI, no stubs; kimi-k2.5 needs no model generation to print.
     kimi = [*command, "--profile", "kimi-k2.5"]
-    image_env = {"PD_TARGET": "gpu"}
-    output = manifests.served(kimi, image_env, monkeypatch, capsys)
-    env_line, argv_line = output.splitlines()
+    env_line, argv_line = manifests.served(kimi, {}, monkeypatch, capsys).splitlines()
     argv = argv_line.split()
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])

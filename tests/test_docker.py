@@ -334,13 +334,13 @@ def run_entrypoint(env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
 def test_serving_entrypoint_exports_the_api_key_file(tmp_path: Path) -> None:
     key_file = tmp_path / "api_key"
     key_file.write_text("s3cret\n")
-    assert run_entrypoint({"VLLM_API_KEY_FILE": str(key_file)}).stdout == "s3cret"
+    assert run_entrypoint({"PD_API_KEY_FILE": str(key_file)}).stdout == "s3cret"
     key_file.write_text("")
-    assert run_entrypoint({"VLLM_API_KEY_FILE": str(key_file)}).stdout == "unset"
+    assert run_entrypoint({"PD_API_KEY_FILE": str(key_file)}).stdout == "unset"
     assert run_entrypoint({}).stdout == "unset"
-    missing = run_entrypoint({"VLLM_API_KEY_FILE": str(tmp_path / "missing")})
+    missing = run_entrypoint({"PD_API_KEY_FILE": str(tmp_path / "missing")})
     assert missing.returncode != 0
-    assert "cannot read VLLM_API_KEY_FILE" in missing.stderr
+    assert "cannot read PD_API_KEY_FILE" in missing.stderr
 
 
 def test_serving_entrypoint_is_executable() -> None:
