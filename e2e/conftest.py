@@ -78,6 +78,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         ),
     )
     group.addoption(
+        "--api-key-file",
+        default=os.environ.get("E2E_API_KEY_FILE"),
+        help=(
+            "a file with the key the stack requires on /v1 (env "
+            "E2E_API_KEY_FILE; `make e2e`: compose's secret file); empty or "
+            "absent: no key"
+        ),
+    )
+    group.addoption(
+        "--compose",
+        default=os.environ.get("E2E_COMPOSE"),
+        help=(
+            "the compose command of the stack under test (env E2E_COMPOSE): "
+            "e2e/test_faults_5_compose.py then breaks it with docker"
+        ),
+    )
+    group.addoption(
         "--fault-file",
         default=os.environ.get("E2E_FAULT_FILE"),
         help=(
@@ -139,6 +156,22 @@ def probes() -> list[tiny_model.Probe]:
     The draft predicts the target only on these: a random target is chaotic.
     """
     return tiny_model.load_probes(tiny_model.ensure_models(progress=_progress))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The stack's API key, for every request to a /v1 path (pdstack.client)."""
+    path = config.getoption("api_key_file", default=None)
+    if not path or not Path(path).exists():
+        return
+    try:
+        client.use_api_key(Path(path).read_text().strip())
+    except OSError as exc:
+        pytest.exit(
+            f"--api-key-file {path}: {exc.strerror}: compose's secret is readable "
+            "by the containers' uid 10001 only? Run as root, or copy the key to a "
+            "file of yours and pass E2E_API_KEY_FILE=<that file>",
+            2,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,8 @@ from pathlib import Path
 import requests
 
 import faults_helpers as fh
+from pdstack import client, twin, wait
 from pdstack import metrics as m
-from pdstack import twin, wait
 from pdstack.client import greedy
 from pdstack.supervisor import Processes
 
@@ -31,7 +31,9 @@ def test_client_disconnects_in_the_middle_of_a_stream(faults: fh.FaultStack) -> 
     start = time.monotonic()
     url = f"{faults.router}/v1/completions"
     # Three SSE events read, then the connection closed.
-    with requests.post(url, json=stream, stream=True, timeout=120.0) as answer:
+    with requests.post(
+        url, json=stream, headers=client.headers(), stream=True, timeout=120.0
+    ) as answer:
         status = answer.status_code
         read = 0
         for line in answer.iter_lines():
@@ -88,7 +90,9 @@ def test_client_leaves_before_the_first_token(faults: fh.FaultStack) -> None:
         conn.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
             b"Content-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(body) + body
+            + "".join(f"{k}: {v}\r\n" for k, v in client.headers().items()).encode()
+            + b"Content-Length: %d\r\n\r\n" % len(body)
+            + body
         )
         time.sleep(1.0)
         d_left = m.scrape(faults.decode) - before["decode"]

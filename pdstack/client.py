@@ -10,6 +10,20 @@ import requests
 MODEL = "pd-model"
 REQUEST_TIMEOUT_S = 300.0
 
+# The key a stack with an API key (compose's secret) requires on /v1, set once
+# by the caller (the e2e suite's --api-key-file); None: no key.
+_api_key: str | None = None
+
+
+def use_api_key(key: str | None) -> None:
+    global _api_key
+    _api_key = key or None
+
+
+def headers() -> dict[str, str]:
+    """What a request to a /v1 path carries: the API key, if one is set."""
+    return {"Authorization": f"Bearer {_api_key}"} if _api_key else {}
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -45,7 +59,9 @@ def complete_all(
 ) -> list[Completion]:
     """Every choice of one request (a batch of prompts, n > 1), by index."""
     body = greedy(prompt, max_tokens, **extra)
-    response = requests.post(f"{base_url}/v1/completions", json=body, timeout=timeout)
+    response = requests.post(
+        f"{base_url}/v1/completions", json=body, headers=headers(), timeout=timeout
+    )
     if response.status_code != 200:
         raise CompletionError(
             f"{base_url}: HTTP {response.status_code}: {response.text[:500]}"

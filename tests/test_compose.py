@@ -266,7 +266,10 @@ def test_e2e_override_publishes_only_prefill_and_decode_http_on_loopback() -> No
         "prepare": [],
         "prefill": [("127.0.0.1", port["PREFILL_PORT"], port["PREFILL_PORT"])],
         "decode": [("127.0.0.1", port["DECODE_PORT"], port["DECODE_PORT"])],
-        "router": [("", port["ROUTER_PORT"], port["ROUTER_PORT"])],
+        "router": [
+            ("", port["ROUTER_PORT"], port["ROUTER_PORT"]),
+            ("127.0.0.1", port["ROUTER_METRICS_PORT"], port["ROUTER_METRICS_PORT"]),
+        ],
     }
     assert [p for check in CHECKERS for p in check(model)] == []
     # The fault switch on decode only, read-only, from the host path the
