@@ -7,6 +7,7 @@ restarts the fault stack's servers.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -208,3 +209,50 @@ def _prefill_at_work(url: str, before: m.Snapshot) -> bool:
     snapshot = m.scrape(url)
     busy = snapshot.total(m.RUNNING) + snapshot.total(fh.WAITING)
     return busy >= 1 or (snapshot - before).total(fh.PROMPT_TOKENS) > 0
+
+
+def test_prefill_frozen_with_requests_waiting(faults: fh.FaultStack) -> None:
+    """A hung prefill: its whole process group stopped (SIGSTOP, what `docker
+    pause` does to a container). Its kernel still completes TCP handshakes, so
+    nothing refuses; every request sent before or during the freeze must still
+    get a terminal answer within bounds.terminal of being sent."""
+    fh.require_owned(faults, "freezes prefill")
+    pids = twin.running(fh.RUN_DIR)
+    group = twin.processes(fh.RUN_DIR).records()["prefill"].pgid
+    bodies = [greedy(faults.prompt(40 + 9 * i, salt=4500 + i), 16) for i in range(3)]
+    timeout = faults.bounds["terminal"] + 60
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        sent = [pool.submit(fh.post, faults.router, b, timeout=timeout) for b in bodies]
+        os.killpg(group, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            for offset, salt in ((2, 4510), (20, 4520)):
+                time.sleep(max(0.0, frozen_at + offset - time.monotonic()))
+                body = greedy(faults.prompt(25, salt=salt), 8)
+                sent.append(pool.submit(fh.post, faults.router, body, timeout=timeout))
+            outcomes = [future.result() for future in sent]
+        finally:
+            os.killpg(group, signal.SIGCONT)
+    frozen_s = time.monotonic() - frozen_at
+    statuses = [o.status for o in outcomes]
+    slowest = max(o.seconds for o in outcomes)
+    body = greedy(faults.prompt(33, salt=4600), 8)
+    (expected,) = fh.references(faults, [body])
+    got, recovered_s, seen = _first_success(faults, body, faults.bounds["recovery"])
+    _, found = fh.wait_idle(faults, fh.abort_timeout(faults) + faults.bounds["idle"])
+    fh.record(
+        f"prefill frozen (SIGSTOP) {frozen_s:.0f}s, 3 in flight (+2)",
+        len(outcomes),
+        sum(
+            o.status is None or o.seconds >= faults.bounds["terminal"] for o in outcomes
+        ),
+        slowest,
+        found,
+        f"statuses {statuses}; serving exactly {recovered_s:.1f}s after SIGCONT "
+        f"(on the way {seen})",
+    )
+    assert all(s is not None for s in statuses), "a client got no HTTP answer"
+    assert slowest < faults.bounds["terminal"], [o.seconds for o in outcomes]
+    assert twin.running(fh.RUN_DIR) == pids, "a server was restarted"
+    assert got.status == 200 and got.token_ids == expected, got.body[:300]
+    assert found == {}, f"not back to idle: {found}"
