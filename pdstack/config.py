@@ -102,6 +102,13 @@ def profile_names() -> list[str]:
     return sorted(p.stem for p in (CONFIGS / "profiles").glob("*.yaml"))
 
 
+def twin_profiles() -> list[str]:
+    """The profiles whose models are generated locally (``generate:``): the
+    only ones the CPU twin can run. A hub profile's settings for the gpu
+    target never meet the CPU."""
+    return [name for name in profile_names() if profile(name).get("generate")]
+
+
 def profile(name: str) -> dict[str, Any]:
     path = CONFIGS / "profiles" / f"{name}.yaml"
     if not path.is_file():

@@ -404,9 +404,11 @@ def test_dotenv_holds_no_secret_values() -> None:
 
 # --- the vLLM flags compose gives prefill and decode -----------------------------
 
-# configs/profiles/: the model profiles (not compose's).
-MODEL_PROFILES = config.profile_names()
-# configs/targets/cpu.yaml's `vllm:` keys and a profile's own per-target
+# configs/profiles/ the CPU twin runs (generated models). A hub profile's
+# per-target settings (`targets.gpu`) are its own business: it never runs on
+# the CPU, so they differ from nothing the twin tests.
+MODEL_PROFILES = config.twin_profiles()
+# configs/targets/cpu.yaml's `vllm:` keys and a twin profile's own per-target
 # settings: what the CPU twin changes for a CPU. Nothing else may differ from
 # a GPU host.
 DEVICE_DIFFERENCES = {

@@ -130,9 +130,8 @@ def test_cpu_token_budget_covers_the_longest_prompt() -> None:
     """Without chunked prefill (MLA on CPU) a prompt over the per-step budget
     is never scheduled: the budget must reach max-model-len."""
     cpu = config.target("cpu")["vllm"]
-    profiles = sorted(p.stem for p in (config.CONFIGS / "profiles").glob("*.yaml"))
-    cpu_profiles = [p for p in profiles if config.profile(p).get("generate")]
-    assert cpu_profiles == ["tiny"]
+    cpu_profiles = config.twin_profiles()
+    assert "tiny" in cpu_profiles
     for name in cpu_profiles:
         max_len = int(config.profile(name)["vllm"]["max-model-len"])
         assert int(cpu["max-num-batched-tokens"]) >= max_len, name
@@ -366,3 +365,17 @@ def test_serve_names_pd_profile_for_an_unknown_profile(
     with pytest.raises(SystemExit):
         serve.main(["--role", "decode", "--target", "gpu", "--print"])
     assert "PD_PROFILE='kimi': no such profile; known:" in capsys.readouterr().err
+
+
+def test_a_hub_profile_may_set_any_gpu_flag(configs: Path) -> None:
+    """Only profiles the CPU twin runs must match it flag for flag."""
+    write_profile(
+        configs,
+        "hub",
+        {
+            "vllm": {"model": "org/m"},
+            "targets": {"gpu": {"enable-expert-parallel": True}},
+        },
+    )
+    assert "hub" not in config.twin_profiles()
+    assert config.vllm_flags("decode", "hub", "gpu")["enable-expert-parallel"] is True
