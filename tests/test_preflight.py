@@ -304,3 +304,12 @@ def test_serve_runs_the_preflight_before_exec_on_gpu(
     monkeypatch.setenv("PD_PREFLIGHT", "0")  # the kill switch
     serve.main(["--role", "prefill", "--target", "gpu", "--profile", "tiny"])
     assert len(execs) == 2
+
+
+@pytest.mark.parametrize("profile", config.profile_names())
+def test_every_shipped_profile_is_accepted_on_sm90(profile: str) -> None:
+    """Not vacuously: each reads its model's shapes (tests/data/<profile>/ or
+    the generated pair), and an unknown is a failure here too."""
+    checks = preflight.run([profile], SM90)
+    assert {c.status for c in checks} == {"accepted"}, [c.notes for c in checks]
+    assert all(c.regions and c.kernel_block_size for c in checks)
