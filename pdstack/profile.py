@@ -274,14 +274,24 @@ def report(name: str, p: Mapping[str, Any], gpu: str) -> int:
     print(preflight.table(checks))
     width, both = p["width"], 2 * p["width"]
     ids = [",".join(map(str, range(a, a + width))) for a in (0, width)]
-    host = "one host" if both <= sizing.HOST_GPUS else "two hosts, one per role"
+    shapes = f"--target-config tests/data/{name}/{preflight.TARGET_EXCERPT}"
+    if p["draft"] is not None:
+        shapes += f" --draft-config tests/data/{name}/{preflight.DRAFT_EXCERPT}"
+    compose = (
+        f"  compose, on one host with {both} GPUs:\n"
+        f"    .env: PD_PROFILE={name}  PREFILL_GPUS={ids[0]}  DECODE_GPUS={ids[1]}"
+        f"  PD_START_PERIOD={sizing.duration(p['budget'])}\n"
+        "    docker compose build    # configs/ is baked into the images\n"
+        f'    make up-e2e && make e2e PYTEST_ARGS="{shapes}"\n'
+    )
+    if both > sizing.HOST_GPUS:
+        compose = (
+            f"  compose runs both roles on one host: it needs {both} GPUs there;\n"
+            "  with 8-GPU hosts, Kubernetes puts each role on a node of its own:\n"
+        )
     print(
-        f"\nNext (docs/models.md): {both} {gpu} GPUs in all, {host}.\n"
-        f"  .env: PD_PROFILE={name}  PREFILL_GPUS={ids[0]}  DECODE_GPUS={ids[1]}  "
-        f"PD_START_PERIOD={sizing.duration(p['budget'])}\n"
-        "  docker compose build    # configs/ is baked into the images\n"
-        "  make up-e2e && make e2e\n"
-        f"  kubectl apply -k k8s/overlays/{name}"
+        f"\nNext (docs/models.md): {width} {gpu} GPU(s) per role, {both} in all.\n"
+        f"{compose}  kubectl -n pd apply -k k8s/overlays/{name}"
     )
     return preflight_cli.exit_status(checks, allow_unknown=False)
 
@@ -306,7 +316,10 @@ def show(opts: argparse.Namespace) -> int:
         tensor_parallel_size=flags.get("tensor-parallel-size"),
         gpu=opts.gpu,
     )
-    return report(name, plan(args), opts.gpu)
+    planned = plan(args)
+    if start := chosen.get("start_period"):
+        planned["budget"] = _seconds(str(start))  # the profile's own figure
+    return report(name, planned, opts.gpu)
 
 
 def write_overlay(opts: argparse.Namespace) -> int:

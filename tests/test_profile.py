@@ -72,7 +72,9 @@ def test_an_eagle3_profile_is_written_checked_and_deployable(
     kustomization = (tree / "overlays" / "my-kimi" / "kustomization.yaml").read_text()
     assert "kubectl apply -k k8s/overlays/my-kimi" in kustomization
     assert "H200: 8 per role (one host)" in out
-    assert "PD_PROFILE=my-kimi" in out and "docker compose build" in out
+    # 16 GPUs in all: not one 8-GPU host; where to go instead.
+    assert "compose runs both roles on one host: it needs 16 GPUs" in out
+    assert "kubectl -n pd apply -k k8s/overlays/my-kimi" in out
     assert "my-kimi  prefill, decode  sm90" in out and "accepted" in out
 
 
@@ -90,6 +92,10 @@ def test_a_deepseek_mtp_profile_needs_no_draft(
     }
     assert written["gpus_per_role"] == 1  # one 80 GB GPU per role
     assert not (tree / "data" / "flash" / "draft_config.json").exists()
+    out = capsys.readouterr().out
+    assert "PD_PROFILE=flash  PREFILL_GPUS=0  DECODE_GPUS=1" in out
+    assert "docker compose build" in out
+    assert 'make e2e PYTEST_ARGS="--target-config tests/data/flash/config.json"' in out
     # The old method name is vLLM's "mtp".
     args = [
         "--target-config",
