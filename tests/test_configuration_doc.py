@@ -131,3 +131,12 @@ def test_quoted_vllm_ranges_are_the_knobs() -> None:
     rule = knobs.RULES[("gpu-memory-utilization",)]
     assert f"1.5 is not {rule.describe()}" in DOC.read_text()
     assert knobs.PORT.describe() in DOC.read_text()
+
+
+def test_docs_speak_in_dates_and_commands() -> None:
+    """No internal history words in docs/: a reader needs the date and the
+    command of a run, not the project's issue numbers or work stops."""
+    words = re.compile(r"\bissue \d+|\bthis stop\b|\bstop \d+\b|\bthe seed\b", re.I)
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        found = words.findall(path.read_text())
+        assert not found, (path.name, found)
