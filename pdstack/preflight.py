@@ -388,7 +388,7 @@ def table(checks: Sequence[Check]) -> str:
     return "\n".join(lines + ([""] + legend * starred + notes if notes else []))
 
 
-# --- the serving image ---------------------------------------------------
+# --- the serving image ----------------------------------------------------------
 
 
 def device_gpus() -> dict[str, tuple[int, int]]:
