@@ -137,10 +137,10 @@ def problems(flags: Mapping[str, Any]) -> Iterator[str]:
     """Each value of ``flags`` outside its rule, with its key; a partial
     mapping (one layer of configs/) is checked as far as it goes."""
     for path, rule in RULES.items():
-        found, value = _lookup(flags, path)
+        found, value = lookup(flags, path)
         if found and value is not None and (why := rule.problem(value)):
             yield f"{'.'.join(path)}: {why}"
-    found, extra = _lookup(flags, EXTRA)
+    found, extra = lookup(flags, EXTRA)
     if found and extra is not None:
         yield from extra_problems(extra)
 
@@ -169,7 +169,7 @@ def extra_problems(extra: Any) -> Iterator[str]:
         yield str(exc)
 
 
-def _lookup(flags: Mapping[str, Any], path: KeyPath) -> tuple[bool, Any]:
+def lookup(flags: Mapping[str, Any], path: KeyPath) -> tuple[bool, Any]:
     node: Any = flags
     for key in path:
         if not isinstance(node, Mapping) or key not in node:

@@ -103,7 +103,7 @@ def test_each_override_row_names_its_flag_range_and_default(var: str) -> None:
     elif path[:1] == ("kv_connector_extra_config",) and path[-1] == "mooncake_protocol":
         assert allowed == "one of " + ", ".join(extra_config.PROTOCOLS)
     # The default configs/ gives, where it gives one.
-    found, value = knobs._lookup(
+    found, value = knobs.lookup(
         config.vllm_flags("prefill", "tiny", "gpu"), (flag, *path)
     )
     if found:
