@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 from dotenv import dotenv_values
 
+from pdstack import knobs
+
 CONFIGS = Path(
     os.environ.get("PD_CONFIGS", Path(__file__).resolve().parent.parent / "configs")
 )
@@ -61,16 +63,30 @@ def port_variables() -> dict[str, str]:
 
 
 def ports(env: Mapping[str, str] | None = None) -> Ports:
-    """Ports from configs/ports.env, each overridable by the same-named variable."""
+    """Ports from configs/ports.env, each overridable by the same-named
+    variable; a bad one is named with where its value came from."""
     env = os.environ if env is None else env
-    values = {
-        key: env.get(key, value)
-        for key, value in read_env_file(CONFIGS / "ports.env").items()
-    }
-    try:
-        return Ports(**{f: int(values[v]) for f, v in port_variables().items()})
-    except (KeyError, ValueError) as exc:
-        raise ConfigError(f"configs/ports.env: bad or missing port: {exc}") from exc
+    defaults = read_env_file(CONFIGS / "ports.env")
+    numbers: dict[str, int] = {}
+    for field, var in port_variables().items():
+        if var not in env and var not in defaults:
+            raise ConfigError(f"configs/ports.env: {var} is missing")
+        raw = env.get(var, defaults.get(var, ""))
+        where = "the environment" if var in env else "configs/ports.env"
+        try:
+            number = int(raw)
+        except ValueError:
+            number = None
+        if number is None or knobs.PORT.problem(number):
+            raise ConfigError(
+                f"{var}={raw!r} (from {where}): expected a port, "
+                f"{knobs.PORT.describe()}"
+            )
+        numbers[field] = number
+    if len(set(numbers.values())) < len(numbers):
+        shown = ", ".join(f"{port_variables()[f]}={n}" for f, n in numbers.items())
+        raise ConfigError(f"two of the stack's ports are the same: {shown}")
+    return Ports(**numbers)
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -84,6 +100,13 @@ def _load(path: Path) -> dict[str, Any]:
 
 def profile_names() -> list[str]:
     return sorted(p.stem for p in (CONFIGS / "profiles").glob("*.yaml"))
+
+
+def twin_profiles() -> list[str]:
+    """The profiles whose models are generated locally (``generate:``): the
+    only ones the CPU twin can run. A hub profile's settings for the gpu
+    target never meet the CPU."""
+    return [name for name in profile_names() if profile(name).get("generate")]
 
 
 def profile(name: str) -> dict[str, Any]:
@@ -101,8 +124,12 @@ def target(name: str) -> dict[str, Any]:
 
 
 def vllm_flags(role: str, profile_name: str, target_name: str) -> dict[str, Any]:
-    """Merged flags: common < profile < role < target < the profile's own
-    settings for that target (later wins)."""
+    """Merged flags, later layers winning: configs/vllm/common.yaml <
+    configs/vllm/<role>.yaml < the profile's ``vllm`` < configs/targets/<target>
+    < the profile's ``targets.<target>``. Mappings (kv-transfer-config,
+    speculative-config) merge key by key, so a profile can change one key of
+    the connector's config; a key set to null is removed. Each layer's values
+    are checked against pdstack.knobs, naming the file."""
     if role not in ROLES:
         raise ConfigError(f"unknown role {role!r}; known: {', '.join(ROLES)}")
     chosen = profile(profile_name)
@@ -112,13 +139,41 @@ def vllm_flags(role: str, profile_name: str, target_name: str) -> dict[str, Any]
             f"profile {profile_name!r}: unknown target {unknown[0]!r} under "
             f"'targets'; known: {', '.join(TARGETS)}"
         )
-    return {
-        **_load(CONFIGS / "vllm" / "common.yaml"),
-        **chosen.get("vllm", {}),
-        **_load(CONFIGS / "vllm" / f"{role}.yaml"),
-        **target(target_name).get("vllm", {}),
-        **(per_target.get(target_name) or {}),
-    }
+    where = f"configs/profiles/{profile_name}.yaml"
+    layers = [
+        ("configs/vllm/common.yaml", _load(CONFIGS / "vllm" / "common.yaml")),
+        (f"configs/vllm/{role}.yaml", _load(CONFIGS / "vllm" / f"{role}.yaml")),
+        (f"{where} (vllm)", chosen.get("vllm") or {}),
+        (f"configs/targets/{target_name}.yaml", target(target_name).get("vllm", {})),
+        (f"{where} (targets.{target_name})", per_target.get(target_name) or {}),
+    ]
+    merged: dict[str, Any] = {}
+    for source, flags in layers:
+        check_flags(flags, source)
+        merged = merge(merged, flags)
+    return merged
+
+
+def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``over`` on ``base``: mappings merged key by key, None removing a key."""
+    out = copy.deepcopy(dict(base))
+    for key, value in over.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def check_flags(flags: Mapping[str, Any], source: str) -> None:
+    """A ConfigError naming ``source`` and the key, for the first value of
+    ``flags`` outside its range or choices (pdstack.knobs)."""
+    if not isinstance(flags, Mapping):
+        raise ConfigError(f"{source}: expected a mapping of vLLM flags")
+    for why in knobs.problems(flags):
+        raise ConfigError(f"{source}: {why}")
 
 
 def substituted(flags: Any, substitutions: Mapping[str, str]) -> Any:
@@ -203,6 +258,8 @@ def with_env_overrides(
             value = BOOLS[raw.strip().lower()] if kind is bool else kind(raw)
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"{var}={raw!r}: expected {kind.__name__}") from exc
+        if why := knobs.problem((flag, *path), value):
+            raise ConfigError(f"{var}={raw!r}: {why}")
         *parents, last = (flag, *path)
         node = out
         for key in parents:

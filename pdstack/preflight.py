@@ -11,20 +11,24 @@ registered region (``pdstack.kv_layout``). On a host without CUDA kernels a
 backend that cannot be loaded is unknown, never a rejection; configuration
 reasons (dtype, head size, block size, ...) fail it, naming the key to change.
 ``pdstack.serve`` runs it before vLLM starts in the serving image, with the
-device's real capability. Exit status: 0 accepted or unknown, 1 rejected.
+device's real capability. A hub profile's config.json comes from
+``--target-config``/``--draft-config``, else from the excerpts shipped in
+tests/data/<profile>/, else from the Hugging Face cache.
+
+Exit status: 0 every check accepted; 1 one rejected; 3 one unknown (nothing
+to ask with: no config.json, or no backend loadable here) and none rejected,
+0 instead with ``--allow-unknown``; 2 bad arguments or configuration.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from pdstack import config, cuda_selector, kv_layout, staging_room
 from pdstack.cuda_selector import Layer
@@ -51,6 +55,10 @@ ALTERNATIVES: dict[str, tuple[str, tuple[Any, ...]]] = {
     "`kv-cache-dtype`": ("kv_cache_dtype", ("auto",)),
 }
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# Config excerpts of the hub profiles' models (shapes only), shipped so the
+# preflight can answer on any host: tests/data/<profile>/<file>.
+EXCERPTS = Path(__file__).resolve().parent.parent / "tests" / "data"
+TARGET_EXCERPT, DRAFT_EXCERPT = "config.json", "draft_config.json"
 
 
 class CannotCheckError(Exception):
@@ -81,7 +89,7 @@ class Check:
     notes: list[str] = field(default_factory=list)
 
 
-def _hub_config(name: str, allow_download: bool) -> dict[str, Any]:
+def _hub_config(name: str, allow_download: bool, option: str) -> dict[str, Any]:
     """config.json of a local directory or a Hugging Face repo (cache first)."""
     if Path(name).exists():
         return kv_layout.read_config(Path(name))
@@ -98,8 +106,10 @@ def _hub_config(name: str, allow_download: bool) -> dict[str, Any]:
     except Exception as exc:  # an invalid repo id, no network, no token
         raise CannotCheckError(f"no config.json for {name}: {exc}") from exc
     raise CannotCheckError(
-        f"no config.json for {name} in the Hugging Face cache "
-        "(pass --model-config PATH and --draft-config PATH)"
+        f"no config.json for {name} in the Hugging Face cache: pass {option} "
+        "with the path of the config.json from its repository, as "
+        "tests/data/<profile>/ keeps them for the shipped profiles "
+        "(docs/models.md)"
     )
 
 
@@ -112,14 +122,18 @@ def models(
     """The target's and the Eagle draft's config.json (flags already rendered)."""
     read = kv_layout.read_config
     target = read(model_config) if model_config else None
-    target = target or _hub_config(str(flags["model"]), allow_download)
+    target = target or _hub_config(
+        str(flags["model"]), allow_download, "--target-config"
+    )
     spec = flags.get("speculative-config") or {}
     # Only a separate draft model (eagle, eagle3) has attention layers of its
     # own; MTP reuses the target's.
     if not spec.get("model"):
         return target, None
     draft = read(draft_config) if draft_config else None
-    return target, draft or _hub_config(str(spec["model"]), allow_download)
+    return target, draft or _hub_config(
+        str(spec["model"]), allow_download, "--draft-config"
+    )
 
 
 def profile_substitutions(profile: str) -> dict[str, str]:
@@ -291,14 +305,29 @@ def run(
     checks = []
     for profile in profiles:
         subs = profile_substitutions(profile)
+        target_config = model_config or excerpt(profile, TARGET_EXCERPT)
+        draft = draft_config or excerpt(profile, DRAFT_EXCERPT)
         for role in roles:
             flags = {**config.vllm_flags(role, profile, "gpu"), **(overrides or {})}
             rendered = config.substituted(flags, subs)
-            checks += [
-                check(profile, role, gpu, cap, rendered, model_config, draft_config)
-                for gpu, cap in gpus.items()
-            ]
+            for gpu, cap in gpus.items():
+                c = check(profile, role, gpu, cap, rendered, target_config, draft)
+                if target_config and target_config != model_config:
+                    c.notes.append(f"config.json read from {_shown(target_config)}")
+                checks.append(c)
     return checks
+
+
+def excerpt(profile: str, name: str) -> Path | None:
+    """The shipped config excerpt of a profile's model, if there is one."""
+    path = EXCERPTS / profile / name
+    return path if path.is_file() else None
+
+
+def _shown(path: Path) -> str:
+    with contextlib.suppress(ValueError):
+        return str(path.parent.relative_to(EXCERPTS.parent.parent)) + "/"
+    return str(path)
 
 
 # --- output ---------------------------------------------------------------------
@@ -353,11 +382,13 @@ def table(checks: Sequence[Check]) -> str:
         for r, ns in merged.values()
         for n in ns
     ]
-    legend = "*: see the notes (a backend not asked here, or kernels not built)"
-    return "\n".join(lines + (["", legend, *notes] if notes else []))
+    # The legend only where a pick carries the mark.
+    starred = any(cell.endswith("*") for row, _ in merged.values() for cell in row)
+    legend = ["*: see the notes (a backend not asked here, or kernels not built)"]
+    return "\n".join(lines + ([""] + legend * starred + notes if notes else []))
 
 
-# --- the serving image and the CLI ---------------------------------------------
+# --- the serving image ----------------------------------------------------------
 
 
 def device_gpus() -> dict[str, tuple[int, int]]:
@@ -385,82 +416,11 @@ def gate(profile: str, role: str, flags: Mapping[str, Any]) -> list[str]:
     return [p for c in checks for p in c.problems]
 
 
-def parse_gpu(text: str) -> tuple[str, tuple[int, int]]:
-    """sm90, 9.0 or 90 -> ("sm90", (9, 0))."""
-    raw = text.lower().removeprefix("sm").replace(".", "")
-    if not raw.isdigit() or len(raw) < 2:
-        raise argparse.ArgumentTypeError(f"not a compute capability: {text!r}")
-    return f"sm{raw}", (int(raw[:-1]), int(raw[-1]))
-
-
-def parse_set(text: str) -> tuple[str, Any]:
-    """FLAG=VALUE, the value as YAML would read it (configs/ are YAML)."""
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"expected FLAG=VALUE, got {text!r}")
-    return key, yaml.safe_load(value)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pdstack.preflight", description=__doc__.splitlines()[0]
-    )
-    known = config.profile_names()
-    add = parser.add_argument
-    add("--profile", action="append", choices=known, help="default: every profile")
-    add("--role", action="append", choices=config.ROLES, help="default: both")
-    add(
-        "--capability",
-        action="append",
-        type=parse_gpu,
-        help="sm80, 9.0 or 100, repeatable; default: sm80 sm90 sm100",
-    )
-    add("--device", action="store_true", help="the visible CUDA devices' instead")
-    add("--model-config", type=Path, help="the target's config.json (hub profiles)")
-    add("--draft-config", type=Path, help="the draft's config.json (hub profiles)")
-    add(
-        "--set",
-        action="append",
-        type=parse_set,
-        default=[],
-        metavar="FLAG=VALUE",
-        help="override a vLLM flag of configs/ (what-if)",
-    )
-    add("--json", action="store_true", help="JSON instead of the table")
-    add(
-        "--print",
-        choices=["batch-invariant"],
-        help="print 1 if every layer keeps a backend under VLLM_BATCH_INVARIANT=1, "
-        "else 0 (needs one capability)",
-    )
-    opts = parser.parse_args(argv)
-    gpus = dict(opts.capability or [(g, c) for g, (c, _) in GPUS.items()])
-    if opts.device and not (gpus := device_gpus()):
-        parser.exit(2, "pdstack.preflight: --device: no CUDA device visible\n")
-    if opts.print and len(gpus) != 1:
-        parser.error("--print batch-invariant needs exactly one capability")
-    try:
-        checks = run(
-            opts.profile or known,
-            gpus,
-            opts.role or config.ROLES,
-            dict(opts.set),
-            opts.model_config,
-            opts.draft_config,
-        )
-    except config.ConfigError as exc:
-        parser.exit(2, f"pdstack.preflight: {exc}\n")
-    rejected = any(c.status == "rejected" for c in checks)
-    if opts.print:
-        print(int(all(c.batch_invariant for c in checks)))
-        for problem in (p for c in checks for p in c.problems):
-            print(f"pdstack.preflight: {problem}", file=sys.stderr)
-    elif opts.json:
-        state = {"ok": not rejected, "checks": [asdict(c) for c in checks]}
-        print(json.dumps(state, indent=2))
-    else:
-        print(table(checks))
-    return int(rejected)
+    """The command line (pdstack.preflight_cli); its exit status."""
+    from pdstack import preflight_cli
+
+    return preflight_cli.main(argv)
 
 
 if __name__ == "__main__":

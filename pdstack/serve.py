@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from pdstack import config
@@ -80,7 +81,11 @@ def main(args: list[str] | None = None) -> None:
         default=os.environ.get("PD_TARGET") or None,
         help="cpu or gpu (default: PD_TARGET, which the images set)",
     )
-    parser.add_argument("--profile", default=os.environ.get("PD_PROFILE", "tiny"))
+    parser.add_argument(
+        "--profile",
+        default=os.environ.get("PD_PROFILE", "tiny"),
+        help="configs/profiles/<name>.yaml (default: $PD_PROFILE, else tiny)",
+    )
     parser.add_argument("--host", default=ANY_ADDRESS[0])
     parser.add_argument("--print", action="store_true", help="print, do not run")
     parser.add_argument(
@@ -98,14 +103,25 @@ def main(args: list[str] | None = None) -> None:
     if opts.role is None or opts.target is None:
         parser.error("--role and --target (or PD_TARGET) are required")
     try:
+        if opts.profile not in config.profile_names():
+            from_env = os.environ.get("PD_PROFILE") == opts.profile
+            given = "PD_PROFILE" if from_env else "--profile"
+            raise config.ConfigError(
+                f"{given}={opts.profile!r}: no such profile; known: "
+                f"{', '.join(config.profile_names())} (configs/profiles/)"
+            )
+        raw = os.environ.get("PD_PREFLIGHT") or "1"
+        if (preflight_on := config.BOOLS.get(raw.strip().lower())) is None:
+            raise config.ConfigError(f"PD_PREFLIGHT={raw!r}: expected 1 or 0")
         argv, env = command(opts.role, opts.profile, opts.target, opts.host)
     except config.ConfigError as exc:
         parser.exit(2, f"pdstack.serve: {exc}\n")
     if opts.print:
-        print(" ".join(f"{k}={v}" for k, v in sorted(env.items())))
-        print(" ".join(argv))
+        # One line a shell runs as is: `env` takes the assignments as words.
+        assignments = [f"{k}={v}" for k, v in sorted(env.items())]
+        print(shlex.join(["env", *assignments, *argv]))
         return
-    if opts.target == "gpu" and os.environ.get("PD_PREFLIGHT", "1") != "0":
+    if opts.target == "gpu" and preflight_on:
         preflight(opts.role, opts.profile, parser)
     os.execvpe(argv[0], argv, {**os.environ, **env})
 

@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
@@ -410,9 +411,11 @@ def test_dotenv_holds_no_secret_values() -> None:
 
 # --- the vLLM flags compose gives prefill and decode -----------------------------
 
-# configs/profiles/: the model profiles (not compose's).
-MODEL_PROFILES = config.profile_names()
-# configs/targets/cpu.yaml's `vllm:` keys and a profile's own per-target
+# configs/profiles/ the CPU twin runs (generated models). A hub profile's
+# per-target settings (`targets.gpu`) are its own business: it never runs on
+# the CPU, so they differ from nothing the twin tests.
+MODEL_PROFILES = config.twin_profiles()
+# configs/targets/cpu.yaml's `vllm:` keys and a twin profile's own per-target
 # settings: what the CPU twin changes for a CPU. Nothing else may differ from
 # a GPU host.
 DEVICE_DIFFERENCES = {
@@ -474,13 +477,16 @@ def test_compose_runs_pdstack_serve_for_its_role_on_gpu(
     assert opts == {"--role": role}
     # The real CLI, no stubs; kimi-k2.5 needs no model generation to print.
     kimi = [*command, "--profile", "kimi-k2.5"]
-    env_line, argv_line = manifests.served(kimi, {}, monkeypatch, capsys).splitlines()
-    argv = argv_line.split()
+    # One shell-quoted line: env, the assignments, then vLLM's argv.
+    (line,) = manifests.served(kimi, {}, monkeypatch, capsys).splitlines()
+    words = shlex.split(line)
+    env_words, argv = words[1 : words.index("-m") - 1], words[words.index("-m") - 1 :]
+    assert words[0] == "env"
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert transfer["kv_role"] == manifests.KV_ROLE[role]
     assert argv[argv.index("--port") + 1] == ports()[f"{role.upper()}_PORT"]
-    assert f"VLLM_MOONCAKE_BOOTSTRAP_PORT={ports()['BOOTSTRAP_PORT']}" in env_line
+    assert f"VLLM_MOONCAKE_BOOTSTRAP_PORT={ports()['BOOTSTRAP_PORT']}" in env_words
     assert not {"--enforce-eager", "--block-size"} & set(argv)
 
 

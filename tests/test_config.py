@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import shlex
+import typing
+from pathlib import Path
 
 import pytest
+import yaml
 
-from pdstack import config, serve
+from pdstack import config, knobs, serve
 
 
 def test_roles_differ_only_in_kv_role() -> None:
@@ -103,17 +107,35 @@ def test_unknown_names_are_config_errors(names: tuple[str, ...], message: str) -
 def test_ports_come_from_ports_env_and_the_environment_wins() -> None:
     assert config.ports({}) == config.Ports(8000, 8100, 8200, 8998, 29000)
     assert config.ports({"DECODE_PORT": "9200"}).decode == 9200
-    with pytest.raises(config.ConfigError, match="bad or missing port"):
-        config.ports({"ROUTER_PORT": "http"})
+
+
+@pytest.mark.parametrize("raw", ["abc", "", "0", "65536", "-1", "80.5"])
+def test_a_bad_port_names_its_variable_and_where_it_came_from(raw: str) -> None:
+    with pytest.raises(config.ConfigError) as bad:
+        config.ports({"PREFILL_PORT": raw})
+    message = str(bad.value)
+    assert message.startswith(f"PREFILL_PORT={raw!r} (from the environment)")
+    assert "an integer >= 1 and <= 65535" in message
+
+
+def test_a_bad_port_in_ports_env_is_blamed_on_the_file(configs: Path) -> None:
+    ports_env = configs / "ports.env"
+    ports_env.write_text(ports_env.read_text().replace("=8200", "=82OO"))
+    with pytest.raises(config.ConfigError, match=r"DECODE_PORT='82OO' \(from configs"):
+        config.ports({})
+
+
+def test_two_ports_the_same_are_refused() -> None:
+    with pytest.raises(config.ConfigError, match="DECODE_PORT=8100"):
+        config.ports({"DECODE_PORT": "8100"})
 
 
 def test_cpu_token_budget_covers_the_longest_prompt() -> None:
     """Without chunked prefill (MLA on CPU) a prompt over the per-step budget
     is never scheduled: the budget must reach max-model-len."""
     cpu = config.target("cpu")["vllm"]
-    profiles = sorted(p.stem for p in (config.CONFIGS / "profiles").glob("*.yaml"))
-    cpu_profiles = [p for p in profiles if config.profile(p).get("generate")]
-    assert cpu_profiles == ["tiny"]
+    cpu_profiles = config.twin_profiles()
+    assert "tiny" in cpu_profiles
     for name in cpu_profiles:
         max_len = int(config.profile(name)["vllm"]["max-model-len"])
         assert int(cpu["max-num-batched-tokens"]) >= max_len, name
@@ -147,3 +169,217 @@ def test_the_side_channel_port_sits_above_the_bootstrap_port() -> None:
     """It moves with BOOTSTRAP_PORT (config.Ports.side_channel says where)."""
     assert config.ports({}).side_channel == 8999
     assert config.ports({"BOOTSTRAP_PORT": "8988"}).side_channel == 8989
+
+
+# --- each rendered knob in its range, checked at render time, naming its source -
+
+
+@pytest.mark.parametrize(
+    ("var", "raw", "says"),
+    [
+        ("PD_GPU_MEMORY_UTILIZATION", "1.5", "> 0 and <= 1"),
+        ("PD_GPU_MEMORY_UTILIZATION", "-5", "> 0 and <= 1"),
+        ("PD_GPU_MEMORY_UTILIZATION", "0", "> 0 and <= 1"),
+        ("PD_GPU_MEMORY_UTILIZATION", "nan", "> 0 and <= 1"),
+        ("PD_MOONCAKE_PROTOCOL", "rdmaa", "one of tcp, rdma"),
+        ("PD_MOONCAKE_KV_STAGING_MIB", "-1", ">= 0"),
+    ],
+)
+def test_an_override_out_of_range_names_its_variable(
+    var: str, raw: str, says: str
+) -> None:
+    flags = config.vllm_flags("decode", "tiny", "gpu")
+    with pytest.raises(config.ConfigError) as bad:
+        config.with_env_overrides(flags, {var: raw})
+    assert str(bad.value).startswith(f"{var}={raw!r}: ")
+    assert says in str(bad.value)
+
+
+@pytest.mark.parametrize(
+    ("var", "raw"),
+    [
+        ("PD_GPU_MEMORY_UTILIZATION", "1"),
+        ("PD_GPU_MEMORY_UTILIZATION", "0.4"),
+        ("PD_MOONCAKE_PROTOCOL", "rdma"),
+        ("PD_MOONCAKE_KV_STAGING_MIB", "0"),
+    ],
+)
+def test_an_override_in_range_passes(var: str, raw: str) -> None:
+    """The negative control: the bounds themselves are accepted."""
+    config.with_env_overrides(config.vllm_flags("decode", "tiny", "gpu"), {var: raw})
+
+
+def write_profile(configs: Path, name: str, data: dict) -> None:
+    (configs / "profiles" / f"{name}.yaml").write_text(yaml.safe_dump(data))
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        ({"gpu-memory-utilization": 1.5}, "gpu-memory-utilization: 1.5 is not"),
+        ({"tensor-parallel-size": 0}, "tensor-parallel-size: 0 is not"),
+        ({"dtype": "bf16"}, "dtype: 'bf16' is not one of auto, half"),
+        ({"enforce-eager": "yes"}, "enforce-eager: 'yes' is not true or false"),
+        (
+            {"kv-transfer-config": {"kv_connector_extra_config": {"kv_staging": 1}}},
+            "unknown key 'kv_staging'; did you mean 'kv_staging_mib'?",
+        ),
+    ],
+)
+def test_a_profile_value_out_of_range_names_the_file_and_key(
+    configs: Path, flags: dict, says: str
+) -> None:
+    write_profile(configs, "bad", {"vllm": {"model": "m", **flags}})
+    with pytest.raises(config.ConfigError) as bad:
+        config.vllm_flags("prefill", "bad", "gpu")
+    assert str(bad.value).startswith("configs/profiles/bad.yaml (vllm): ")
+    assert says in str(bad.value)
+
+
+def test_every_profile_renders_within_range() -> None:
+    for name in config.profile_names():
+        for role in config.ROLES:
+            for target in config.TARGETS:
+                assert not list(knobs.problems(config.vllm_flags(role, name, target)))
+
+
+def test_the_ranges_are_vllms_own() -> None:
+    """Each rule that follows a vLLM field has that field's bounds and
+    choices (its pydantic metadata and typing.Literal)."""
+    import importlib
+
+    modules = {"CacheConfig": "cache", "ModelConfig": "model"}
+    modules |= {"ParallelConfig": "parallel", "SchedulerConfig": "scheduler"}
+    modules |= {"SpeculativeConfig": "speculative", "KVTransferConfig": "kv_transfer"}
+    followed = {path: rule for path, rule in knobs.RULES.items() if rule.vllm}
+    assert len(followed) >= 9
+    for path, rule in followed.items():
+        cls_name, field = rule.vllm.split(".")
+        module = importlib.import_module(f"vllm.config.{modules[cls_name]}")
+        info = getattr(module, cls_name).__pydantic_fields__[field]
+        bounds = {
+            type(m).__name__: getattr(m, type(m).__name__.lower())
+            for m in info.metadata
+        }
+        low_key = "Gt" if rule.low_open else "Ge"
+        assert bounds.get(low_key) == rule.low, path
+        assert bounds.get("Le") == rule.high, path
+        literals = [a for a in typing.get_args(info.annotation) if a is not None]
+        choices = [c for a in literals for c in (typing.get_args(a) or [a])]
+        choices = [c for c in choices if isinstance(c, str)]
+        assert tuple(choices) == rule.choices, path
+
+
+# --- merging: a profile can change one key of the connector's config -----------
+
+
+def test_a_profile_changes_one_key_of_the_connector_config(configs: Path) -> None:
+    extra = {"kv_staging_mib": 1024, "kv_checksum": None}
+    write_profile(
+        configs,
+        "mine",
+        {
+            "vllm": {
+                "model": "m",
+                "kv-transfer-config": {"kv_connector_extra_config": extra},
+            }
+        },
+    )
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        kv = config.vllm_flags(role, "mine", "gpu")["kv-transfer-config"]
+        assert kv["kv_role"] == kv_role  # the role file's keys stay
+        assert kv["kv_connector_extra_config"]["kv_staging_mib"] == 1024
+        assert kv["kv_connector_extra_config"]["mooncake_protocol"] == "tcp"
+        assert "kv_checksum" not in kv["kv_connector_extra_config"]  # null: removed
+    # The environment still wins over the profile.
+    flags = config.vllm_flags("decode", "mine", "gpu")
+    over = config.with_env_overrides(flags, {"PD_MOONCAKE_KV_STAGING_MIB": "0"})
+    assert (
+        over["kv-transfer-config"]["kv_connector_extra_config"]["kv_staging_mib"] == 0
+    )
+
+
+def test_merge_is_deep_for_mappings_only() -> None:
+    base = {"a": {"x": 1, "y": [1]}, "b": 1}
+    assert config.merge(base, {"a": {"y": [2]}, "b": {"z": 1}}) == {
+        "a": {"x": 1, "y": [2]},
+        "b": {"z": 1},
+    }
+    assert base == {"a": {"x": 1, "y": [1]}, "b": 1}  # not mutated
+
+
+# --- pdstack.serve ---------------------------------------------------------------
+
+
+def serve_print(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    env: dict[str, str],
+    role: str = "decode",
+) -> str:
+    for name in {*config.port_variables().values(), *config.ENV_OVERRIDES}:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    serve.main(["--role", role, "--target", "gpu", "--profile", "kimi-k2.5", "--print"])
+    return capsys.readouterr().out
+
+
+def test_serve_print_is_one_command_a_shell_runs_as_is(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = serve_print(monkeypatch, capsys, {"PD_ENGINE_ID": "pod 0"}, "prefill")
+    (line,) = out.splitlines()
+    words = shlex.split(line)
+    assert words[0] == "env" and "VLLM_MOONCAKE_BOOTSTRAP_PORT=8998" in words
+    argv = words[words.index("-m") - 1 :]
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["engine_id"] == "pod 0"
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec["method"] == "eagle3"
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"PREFILL_PORT": "abc"}, "PREFILL_PORT='abc' (from the environment)"),
+        ({"PD_GPU_MEMORY_UTILIZATION": "1.5"}, "PD_GPU_MEMORY_UTILIZATION='1.5'"),
+        ({"PD_MOONCAKE_PROTOCOL": "rdmaa"}, "PD_MOONCAKE_PROTOCOL='rdmaa'"),
+        ({"PD_PREFLIGHT": "maybe"}, "PD_PREFLIGHT='maybe'"),
+    ],
+)
+def test_serve_refuses_a_bad_knob_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    env: dict[str, str],
+    says: str,
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        serve_print(monkeypatch, capsys, env)
+    assert stop.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_serve_names_pd_profile_for_an_unknown_profile(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PD_PROFILE", "kimi")
+    with pytest.raises(SystemExit):
+        serve.main(["--role", "decode", "--target", "gpu", "--print"])
+    assert "PD_PROFILE='kimi': no such profile; known:" in capsys.readouterr().err
+
+
+def test_a_hub_profile_may_set_any_gpu_flag(configs: Path) -> None:
+    """Only profiles the CPU twin runs must match it flag for flag."""
+    write_profile(
+        configs,
+        "hub",
+        {
+            "vllm": {"model": "org/m"},
+            "targets": {"gpu": {"enable-expert-parallel": True}},
+        },
+    )
+    assert "hub" not in config.twin_profiles()
+    assert config.vllm_flags("decode", "hub", "gpu")["enable-expert-parallel"] is True

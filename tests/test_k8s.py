@@ -44,11 +44,26 @@ SERVING = config.ROLES
 ROUTER = "router"
 ROUTER_URLS = ("PREFILL_URL", "DECODE_URL")  # its backends, in its environment
 
-# Each overlay, named after the profile it deploys (PD_PROFILE), and its compose
-# twin: the compose profiles to enable and the trio (prefill, decode, router).
-OVERLAYS: dict[str, tuple[tuple[str, ...], tuple[str, str, str]]] = {
-    "tiny": ((), manifests.TCP_TRIO),
-    "kimi-k2.5": (("rdma",), manifests.RDMA_TRIO),
+RDMA_COMPONENT = "../../components/rdma"
+
+
+def compose_twin(overlay: str) -> tuple[tuple[str, ...], tuple[str, str, str]]:
+    """An overlay's compose twin: the compose profiles to enable and the trio
+    (prefill, decode, router); the rdma trio where it uses components/rdma."""
+    kustomization = yaml.safe_load(
+        (OVERLAY_DIR / overlay / "kustomization.yaml").read_text()
+    )
+    if RDMA_COMPONENT in (kustomization.get("components") or []):
+        return ("rdma",), manifests.RDMA_TRIO
+    return (), manifests.TCP_TRIO
+
+
+# One overlay per profile of configs/profiles/, named after it (PD_PROFILE):
+# a new profile gets one from `python -m pdstack.profile` (docs/models.md).
+OVERLAYS = {
+    name: compose_twin(name)
+    for name in config.profile_names()
+    if (OVERLAY_DIR / name / "kustomization.yaml").is_file()
 }
 each_overlay = pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 # Each workload's named ports and the configs/ports.env variable each carries
@@ -419,10 +434,18 @@ def placement_violations(objects: list[Object]) -> Iterator[str]:
 
 def test_every_overlay_has_a_profile_a_compose_twin_and_docs() -> None:
     assert {p.name for p in OVERLAY_DIR.iterdir() if p.is_dir()} == set(OVERLAYS)
-    assert set(OVERLAYS) <= set(config.profile_names())
+    missing = sorted(set(config.profile_names()) - set(OVERLAYS))
+    assert not missing, (
+        f"profiles without an overlay: {missing}; write one with "
+        "`python -m pdstack.profile overlay NAME` (docs/models.md)"
+    )
+    # The deploy command: docs/kubernetes.md says it for every profile, each
+    # overlay's header for its own.
     docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert "apply -k k8s/overlays/<profile>" in docs
     for overlay in OVERLAYS:
-        assert f"apply -k k8s/overlays/{overlay}" in docs, overlay
+        header = (OVERLAY_DIR / overlay / "kustomization.yaml").read_text()
+        assert f"kubectl apply -k k8s/overlays/{overlay}" in header, overlay
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -811,6 +834,9 @@ def test_start_budgets_shm_and_grace_period_cover_compose(overlay: str) -> None:
         probe = main_container(workload)["startupProbe"]
         budget = float(probe["failureThreshold"] * probe.get("periodSeconds", 10))
         assert budget >= duration_s(service["healthcheck"]["start_period"]), role
+        # And the profile's own figure for a cold start (pdstack.sizing).
+        wanted = config.profile(overlay).get("start_period") or "30m"
+        assert budget >= duration_s(wanted), (role, wanted)
         # The router's wait must outlast the servers' own startup budget.
         assert wait_s >= budget, role
         shm = named(spec["volumes"], "dshm")["emptyDir"]["sizeLimit"]
@@ -868,8 +894,8 @@ def test_role_comparison_catches_drift() -> None:
 
 
 @each_overlay
-def test_kimi_uses_rdma_and_tiny_uses_tcp(overlay: str) -> None:
-    protocol = {"tiny": None, "kimi-k2.5": "rdma"}[overlay]
+def test_each_overlay_uses_its_transport(overlay: str) -> None:
+    protocol = "rdma" if "rdma" in OVERLAYS[overlay][0] else None
     objects = render(overlay)
     for role in SERVING:
         container = main_container(workloads(objects)[role])

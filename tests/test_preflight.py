@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,7 @@ import pytest
 import yaml
 
 from pd_mooncake import staging
-from pdstack import config, cuda_selector, kv_layout, preflight, serve
+from pdstack import config, cuda_selector, kv_layout, preflight, preflight_cli, serve
 
 GPUS = {gpu: cap for gpu, (cap, _) in preflight.GPUS.items()}
 SM90 = {"sm90": (9, 0)}
@@ -144,15 +146,71 @@ def test_a_block_size_can_change_the_pick() -> None:
     assert "block_size not supported" in c.layers[0].reasons[default.layers[0].pick]
 
 
-def test_hub_profile_without_a_config_is_unknown_and_downloads_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def no_excerpts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No shipped config excerpts, an empty Hugging Face cache, offline."""
+    monkeypatch.setattr(preflight, "EXCERPTS", tmp_path / "data")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    return tmp_path
+
+
+def test_hub_profile_without_a_config_is_unknown_and_downloads_nothing(
+    no_excerpts: Path,
+) -> None:
     checks = preflight.run(["kimi-k2.5"], GPUS)
     assert {c.status for c in checks} == {"unknown"}
-    assert all("--model-config" in c.notes[0] for c in checks)
-    assert not (tmp_path / "empty").exists()
+    for c in checks:
+        (note,) = c.notes
+        # The option to pass, and where the shipped profiles keep theirs.
+        assert "pass --target-config" in note and "tests/data/<profile>/" in note
+    assert not (no_excerpts / "empty").exists()
+
+
+def test_unknown_fails_the_command_unless_allowed(
+    no_excerpts: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A preflight that can only say unknown must not pass a CI step."""
+    args = ["--profile", "kimi-k2.5", "--capability", "9.0", "--role", "decode"]
+    assert preflight.main(args) == preflight_cli.UNKNOWN
+    out, err = capsys.readouterr()
+    assert "unknown" in out.splitlines()[1] and "--allow-unknown" in err
+    assert preflight.main([*args, "--allow-unknown"]) == 0
+    capsys.readouterr()
+    assert preflight.main([*args, "--json"]) == preflight_cli.UNKNOWN
+    assert json.loads(capsys.readouterr().out)["ok"] is False
+
+
+def test_a_hub_profile_reads_its_shipped_excerpt() -> None:
+    (c,) = preflight.run(["kimi-k2.5"], SM90, roles=["decode"])
+    assert c.status == "accepted", c.notes
+    assert "config.json read from tests/data/kimi-k2.5/" in c.notes
+    assert preflight.excerpt("kimi-k2.5", preflight.DRAFT_EXCERPT) == (
+        KIMI_LIKE / "draft_config.json"
+    )
+
+
+def test_the_legend_only_where_a_pick_is_marked(no_excerpts: Path) -> None:
+    legend = "*: see the notes"
+    unknown = preflight.run(["kimi-k2.5"], SM90)
+    assert unknown[0].notes and legend not in preflight.table(unknown)
+    (marked,) = preflight.run(["tiny"], SM90, roles=["prefill"])
+    assert marked.layers[0].pick_unbuilt  # FLASHMLA: no kernels on a CPU host
+    assert legend in preflight.table([marked])
+
+
+def test_the_command_prints_no_vllm_log_lines(tmp_path: Path) -> None:
+    """vLLM's warnings about this host (no Triton) are not the preflight's."""
+    args = ["--profile", "tiny", "--capability", "9.0", "--role", "prefill"]
+    command = [sys.executable, "-m", "pdstack.preflight", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert done.stdout.startswith("profile ")
+    verbose = subprocess.run(
+        [*command, "--verbose"], capture_output=True, text=True, timeout=600
+    )
+    assert "Triton" in verbose.stderr  # the negative control: they exist
 
 
 # Kimi-K2.5's shapes (a text_config nested in a multimodal wrapper) and its
@@ -246,3 +304,12 @@ def test_serve_runs_the_preflight_before_exec_on_gpu(
     monkeypatch.setenv("PD_PREFLIGHT", "0")  # the kill switch
     serve.main(["--role", "prefill", "--target", "gpu", "--profile", "tiny"])
     assert len(execs) == 2
+
+
+@pytest.mark.parametrize("profile", config.profile_names())
+def test_every_shipped_profile_is_accepted_on_sm90(profile: str) -> None:
+    """Not vacuously: each reads its model's shapes (tests/data/<profile>/ or
+    the generated pair), and an unknown is a failure here too."""
+    checks = preflight.run([profile], SM90)
+    assert {c.status for c in checks} == {"accepted"}, [c.notes for c in checks]
+    assert all(c.regions and c.kernel_block_size for c in checks)
