@@ -121,13 +121,28 @@ lint: install ## ruff check and format check
 
 # `make preflight`: vLLM's CUDA attention selector asked, on A100/H100/B200
 # (sm80, sm90, sm100), whether it takes every profile's GPU flags; runs on any
-# host (docs/gpu.md). E.g. PREFLIGHT_ARGS="--profile kimi-k2.5 --model-config
-# /path/config.json --draft-config /path/draft/config.json" or "--json".
+# host (docs/gpu.md). E.g. PREFLIGHT_ARGS="--profile kimi-k2.5 --target-config
+# /path/config.json --draft-config /path/draft_config.json" or "--json".
 PREFLIGHT_ARGS ?=
 
 .PHONY: preflight
 preflight: install ## GPU preflight: would vLLM's CUDA selector take each profile's flags?
 	$(PY) -m pdstack.preflight $(PREFLIGHT_ARGS)
+
+# `make profile NAME=my-model TARGET_CONFIG=/path/config.json
+# [DRAFT_CONFIG=/path/draft/config.json] [PROFILE_ARGS="--draft-method mtp
+# --gpu H200"]`: bring your own model (docs/models.md).
+NAME ?=
+TARGET_CONFIG ?=
+DRAFT_CONFIG ?=
+PROFILE_ARGS ?=
+
+.PHONY: profile
+profile: install ## Write configs/profiles/NAME.yaml from TARGET_CONFIG (+ DRAFT_CONFIG), preflight it, size it
+	@test -n "$(NAME)" -a -n "$(TARGET_CONFIG)" || \
+	  { echo "make profile NAME=<name> TARGET_CONFIG=<config.json> [DRAFT_CONFIG=...]" >&2; exit 2; }
+	$(PY) -m pdstack.profile new $(NAME) --target-config $(TARGET_CONFIG) \
+	  $(if $(DRAFT_CONFIG),--draft-config $(DRAFT_CONFIG)) $(PROFILE_ARGS)
 
 .PHONY: test
 test: install lint ## Everything CI runs: unit tests, then the e2e suite on the CPU twin
@@ -186,8 +201,11 @@ $(eval $(call knob,API_KEY_FILE,secrets/api_key))
 SECRET_FILES = $(HF_TOKEN_FILE) $(API_KEY_FILE)
 # The CPU serving and router images' base (the Dockerfiles' ARG).
 DEBIAN_IMAGE := $(shell sed -n 's/^ARG DEBIAN_IMAGE=//p' docker/router.Dockerfile)
-# How long `make up` waits for the stack to be healthy.
-$(eval $(call knob,PD_START_PERIOD,30m))
+# How long a server may take to become healthy (compose's start_period) and
+# `make up` waits: the profile's `start_period` (a cold download included),
+# else 30m.
+PROFILE_START_PERIOD = $(shell sed -n 's/^start_period: *//p' configs/profiles/$(PD_PROFILE).yaml 2>/dev/null)
+$(eval $(call knob,PD_START_PERIOD,$$(or $$(PROFILE_START_PERIOD),30m)))
 
 # GPU host: 1 where vLLM's CUDA selector, asked at this host's first GPU's
 # capability, keeps every attention backend of the profile batch invariant;
@@ -196,7 +214,7 @@ $(eval $(call knob,PD_START_PERIOD,30m))
 PD_BATCH_INVARIANT ?= $(shell cap=$$(nvidia-smi --query-gpu=compute_cap \
   --format=csv,noheader 2>/dev/null | head -1 || true); test -n "$$cap" && \
   $(PY) -m pdstack.preflight --profile $(PD_PROFILE) --capability "$$cap" \
-  --print batch-invariant 2>/dev/null || echo 0)
+  --print batch-invariant --allow-unknown 2>/dev/null || echo 0)
 
 .PHONY: engine
 engine: ## A Docker engine: the running one, else Debian's docker.io started (root)

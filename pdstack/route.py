@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -189,7 +190,7 @@ def main(args: list[str] | None = None) -> None:
         parser.exit(2, f"pdstack.route: {exc}\n")
     if opts.print:
         note = " (+ API key from ROUTER_API_KEY_FILE)" if key else ""
-        print(" ".join(["vllm-router", *argv]) + note)
+        print(shlex.join(["vllm-router", *argv]) + note)
         print(f"behind the front: vllm-router on {INTERNAL_HOST}:{internal_port(env)}")
         return
     if not opts.backend:
