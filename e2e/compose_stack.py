@@ -16,10 +16,6 @@ from typing import Any
 
 from pdstack import wait
 
-# What the serving image's plugin reads when the stack does not set it:
-# vLLM's Mooncake default (seconds prefill keeps a finished prompt's KV).
-DEFAULT_ABORT_TIMEOUT_S = 480.0
-
 
 class ComposeError(RuntimeError):
     pass
@@ -63,10 +59,11 @@ class Compose:
                 return value
         return None
 
-    def abort_timeout_s(self) -> float:
-        """How long prefill keeps KV a dead decode never pulls (its setting)."""
+    def abort_timeout_s(self) -> float | None:
+        """How long prefill keeps KV a dead decode never pulls, as its
+        container sets it (None: vLLM's default)."""
         raw = self.env("prefill", "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT")
-        return float(raw) if raw else DEFAULT_ABORT_TIMEOUT_S
+        return float(raw) if raw else None
 
     def state(self, service: str) -> tuple[str, str, int]:
         """(status, health, restart count) of the service's container."""

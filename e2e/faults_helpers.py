@@ -191,9 +191,18 @@ def serves_exactly(stack: FaultStack, salt: int) -> None:
     assert got.token_ids == expected
 
 
+# vLLM's own VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT: what a stack that does not
+# set it uses.
+DEFAULT_ABORT_TIMEOUT_S = 480.0
+
+
 def abort_timeout(stack: FaultStack | hosts.HostsTwin) -> float:
-    """Prefill's abort timeout: how long it holds KV for a decode that never pulls."""
-    return float(stack.role_env["prefill"]["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"])
+    """Prefill's abort timeout: how long it holds KV for a decode that never
+    pulls (vLLM's default where the stack's settings are not known here)."""
+    prefill = stack.role_env.get("prefill", {})
+    return float(
+        prefill.get("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", DEFAULT_ABORT_TIMEOUT_S)
+    )
 
 
 def server_state(url: str, role: str, label: str) -> dict[str, float]:
@@ -221,9 +230,10 @@ def state(stack: Stack, roles: tuple[str, ...] = config.ROLES) -> dict[str, floa
     return now
 
 
-# Not gauges: what a stack given by URLs has counted before the fault cases
-# (the negative controls' mismatches) is their baseline, not a leak.
-BASELINED = ("kv_usage", "kv_checksum_mismatch")
+# Counters, not gauges: what a stack given by URLs has counted before the
+# fault cases (the negative controls' mismatches) is their baseline.
+COUNTERS = ("kv_checksum_mismatch",)
+BASELINED = ("kv_usage", *COUNTERS)
 
 
 def idle_state(stack: Stack) -> dict[str, float]:
@@ -236,8 +246,14 @@ def idle_state(stack: Stack) -> dict[str, float]:
 
 
 def leaks(now: Mapping[str, float], idle: Mapping[str, float]) -> dict[str, float]:
-    """Every quantity that is not back to its idle value."""
-    return {k: v for k, v in now.items() if abs(v - idle.get(k, 0.0)) > 1e-9}
+    """Every quantity that is not back to its idle value; a counter only if it
+    rose (a restarted server counts from 0 again)."""
+    return {
+        k: v
+        for k, v in now.items()
+        if (v > idle.get(k, 0.0) if k.endswith(COUNTERS) else abs(v - idle.get(k, 0.0)))
+        > 1e-9
+    }
 
 
 def wait_idle(
@@ -281,3 +297,17 @@ def engine_ids(bootstrap_url: str) -> list[str]:
     answer = requests.get(f"{bootstrap_url}/query", timeout=5)
     answer.raise_for_status()
     return sorted(entry["engine_id"] for entry in answer.json().values())
+
+
+def prefill_at_work(url: str, before: m.Snapshot) -> bool:
+    """Prefill holds requests, or has already computed prompts since ``before``.
+
+    The running/waiting gauges move only at step boundaries: with a step
+    budget of 8192 tokens the twin prefills most of the 12 prompts in one
+    step, and a poll can miss the gauges entirely (seen in CI). The prompt
+    token counter cannot be missed; the requests are still in flight then
+    (transfers, decode).
+    """
+    snapshot = m.scrape(url)
+    busy = snapshot.total(m.RUNNING) + snapshot.total(WAITING)
+    return busy >= 1 or (snapshot - before).total(PROMPT_TOKENS) > 0

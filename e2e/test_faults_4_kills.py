@@ -147,7 +147,7 @@ def test_prefill_killed_with_requests_in_flight(faults: fh.FaultStack) -> None:
         faults,
         bodies,
         "prefill",
-        lambda started: _prefill_at_work(faults.prefill, started),
+        lambda started: fh.prefill_at_work(faults.prefill, started),
         "prefill at work on the prompts",
     )
     while_dead = fh.post(faults.router, greedy(faults.prompt(20, salt=4399), 4))
@@ -195,20 +195,6 @@ def test_prefill_killed_with_requests_in_flight(faults: fh.FaultStack) -> None:
     assert p.total(m.TRANSFERS) >= 1
     assert d.total(m.EXTERNAL_HITS) == len(body["prompt"])
     assert found == {}
-
-
-def _prefill_at_work(url: str, before: m.Snapshot) -> bool:
-    """Prefill holds requests, or has already computed prompts since ``before``.
-
-    The running/waiting gauges move only at step boundaries: with a step
-    budget of 8192 tokens the twin prefills most of the 12 prompts in one
-    step, and a poll can miss the gauges entirely (seen in CI). The prompt
-    token counter cannot be missed; the requests are still in flight then
-    (transfers, decode).
-    """
-    snapshot = m.scrape(url)
-    busy = snapshot.total(m.RUNNING) + snapshot.total(fh.WAITING)
-    return busy >= 1 or (snapshot - before).total(fh.PROMPT_TOKENS) > 0
 
 
 def test_prefill_frozen_with_requests_waiting(faults: fh.FaultStack) -> None:

@@ -26,6 +26,7 @@ import pytest
 from compose_stack import Compose, docker
 
 import faults_helpers as fh
+from pdstack import metrics as m
 from pdstack import wait
 from pdstack.client import greedy
 
@@ -107,7 +108,8 @@ def settle(
     statuses = [s for s, _ in results]
     slowest = max(t for _, t in results)
     back_s, seen = recovered(stack, salt)
-    bound = compose.abort_timeout_s() + stack.bounds["idle"]
+    abort_s = compose.abort_timeout_s() or fh.DEFAULT_ABORT_TIMEOUT_S
+    bound = abort_s + stack.bounds["idle"]
     idle_s, found = fh.wait_idle(stack, bound)
     fh.record(
         case,
@@ -168,11 +170,18 @@ def test_prefill_crashes_and_the_restart_policy_brings_it_back(
     before = containers(compose)
     restarts = compose.state("prefill")[2]
     flight = Flight(faults)
+    before_work = m.scrape(faults.prefill)
     for body in (
         greedy(faults.prompt(600 + 40 * i, salt=6300 + i), 16) for i in range(6)
     ):
         flight.send(body)
-    in_flight_on(faults, "prefill", 1)
+    wait.poll(
+        lambda: fh.prefill_at_work(faults.prefill, before_work),
+        bool,
+        120,
+        "prefill at work on the prompts",
+        interval_s=0.2,
+    )
     os.kill(int(compose.inspect("prefill")["State"]["Pid"]), signal.SIGKILL)
     flight.send(greedy(faults.prompt(20, salt=6399), 4))
     compose.until_healthy("prefill", faults.bounds["restart"])
