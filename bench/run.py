@@ -126,7 +126,7 @@ def checksum_step(
     """The same requests through P/D with the checksum as the running stack
     has it (on), then with the stack restarted with it off; decode's checksum
     series are kept per pass. The P/D stack then runs with it off."""
-    tokenizer = _tokenizer(s)
+    tokenizer = tokenizer_of(s.profile, s.tokenizer)
     try:
         for state in kv_checksum.STATES:
             where = kv_checksum.pass_dir(out, state)
@@ -154,7 +154,7 @@ def kv_path_step(
     environment (fresh block lists), then its sweep: fresh pass, burst,
     fragmented pass. The P/D stack then runs in the last state ('direct');
     returns the adjustments start_pd made."""
-    tokenizer, notes = _tokenizer(s), []
+    tokenizer, notes = tokenizer_of(s.profile, s.tokenizer), []
     try:
         for state in kv_path.STATES:
             where = kv_path.state_dir(out, state)
@@ -269,12 +269,15 @@ def _write_layout(s: Settings, urls: Urls, out: Path) -> None:
     (out / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
 
 
-def _tokenizer(s: Settings) -> str:
-    if s.tokenizer:
-        return s.tokenizer
-    if tiny := config.tiny_substitutions(s.profile, print):
+def tokenizer_of(profile: str, given: str | None = None) -> str:
+    """The tokenizer on this host for the profile's prompts: the served model's
+    path is the server's (in a container, not here), so it comes from the
+    profile (the tiny pair, generated here if missing) unless one is given."""
+    if given:
+        return given
+    if tiny := config.tiny_substitutions(profile, print):
         return tiny["tiny_target"]
-    flags = config.profile(s.profile).get("vllm", {})
+    flags = config.profile(profile).get("vllm", {})
     return str(flags.get("tokenizer") or flags["model"])
 
 
@@ -435,4 +438,8 @@ def run(s: Settings) -> Path:
 def _measure(s: Settings, urls: Urls, out: Path, progress: Clock) -> None:
     _write_layout(s, urls, out)
     overhead_step(s, urls, out, progress)
-    sweep_step(sweep_plan(s, urls, out / "raw", _tokenizer(s)), out, progress)
+    sweep_step(
+        sweep_plan(s, urls, out / "raw", tokenizer_of(s.profile, s.tokenizer)),
+        out,
+        progress,
+    )

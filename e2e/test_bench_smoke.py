@@ -21,30 +21,25 @@ import sys
 from pathlib import Path
 
 import pytest
-import requests
 
 from bench import kv_path, kv_transfer, report, settings
+from bench.run import tokenizer_of
 from bench.vllm_bench import Level, Plan
 from conftest import Stack
 
 PROMPTS = 2
 INPUT_LEN = 128
 DEADLINE_S = 300.0
-
-
-def model_path(url: str) -> str:
-    """The served model's path (its tokenizer), as vLLM reports it."""
-    return str(requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["root"])
+PROFILE = os.environ.get("PD_PROFILE", "tiny")
 
 
 def write_layout(stack: Stack, out: Path) -> None:
     """What bench.run writes before a sweep: the stack's own layout, the profile."""
-    profile = os.environ.get("PD_PROFILE", "tiny")
-    layout = kv_transfer.served_layout(stack.prefill, profile)
+    layout = kv_transfer.served_layout(stack.prefill, PROFILE)
     if layout is None:
-        pytest.skip(f"no model configs of profile {profile!r} on this host")
+        pytest.skip(f"no model configs of profile {PROFILE!r} on this host")
     (out / "kv_layout.json").write_text(json.dumps(layout))
-    (out / "meta.json").write_text(json.dumps({"profile": profile}))
+    (out / "meta.json").write_text(json.dumps({"profile": PROFILE}))
 
 
 def run_sweep(plan: Plan, out: Path) -> None:
@@ -79,7 +74,7 @@ def test_bench_sweep_measures_the_stack(stack: Stack, tmp_path: Path) -> None:
         )
         for target, url in (("pd", stack.router), ("colocated", stack.reference))
     )
-    plan = Plan("pd-model", model_path(stack.prefill), 8, DEADLINE_S / 2, levels)
+    plan = Plan("pd-model", tokenizer_of(PROFILE), 8, DEADLINE_S / 2, levels)
     run_sweep(plan, tmp_path)
     for level in levels:
         result = json.loads(Path(level.result_file).read_text())
@@ -106,7 +101,7 @@ def test_kv_path_sweep_measures_each_request(stack: Stack, tmp_path: Path) -> No
                           output_len=8, timeout_s=DEADLINE_S / 4)  # fmt: skip
     where = kv_path.state_dir(tmp_path, "staged")
     plan = kv_path.plan(chosen, stack.router, stack.prefill, where,
-                        model_path(stack.prefill), burst)  # fmt: skip
+                        tokenizer_of(PROFILE), burst)  # fmt: skip
     run_sweep(plan, tmp_path)
     result = kv_path.read(tmp_path)
     assert result is not None
