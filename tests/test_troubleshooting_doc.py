@@ -13,6 +13,7 @@ DOC = ROOT / "docs" / "troubleshooting.md"
 SOURCES = [
     *sorted((ROOT / "pdstack").glob("*.py")),
     *sorted((ROOT / "plugin" / "src" / "pd_mooncake").glob("*.py")),
+    ROOT / "e2e" / "conftest.py",
 ]
 SCRIPTS = sorted((ROOT / "scripts").glob("*.sh"))
 # A cut between pieces: where the code formats a value in.
