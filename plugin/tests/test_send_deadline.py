@@ -24,14 +24,14 @@ import pytest
 import torch
 import yaml
 
-from conftest import RecordingEngine
+from conftest import SPAWN_DEADLINE_S, RecordingEngine
 from pd_mooncake import connector as connector_module
 from pd_mooncake import send_deadline
 from pd_mooncake.connector import PDMooncakeConnectorWorker
 from pd_mooncake.metrics import PDMooncakeStats
 
 BLOCK = 1 << 16
-DEADLINE_S = 60.0
+DEADLINE_S = SPAWN_DEADLINE_S
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 

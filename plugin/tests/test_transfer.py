@@ -28,6 +28,7 @@ from bench.loopback import Peer
 from conftest import (
     DRAFT_LAYER,
     MLA_LAYER,
+    SPAWN_DEADLINE_S,
     RecordingEngine,
     make_worker,
     pull_fields,
@@ -39,7 +40,7 @@ LOGICAL_BLOCKS = 4
 RATIO = 2  # a 32-token logical block = two 16-token kernel blocks
 KERNEL_BLOCKS = LOGICAL_BLOCKS * RATIO
 SHAPES = {MLA_LAYER: (KERNEL_BLOCKS, 16, 96), DRAFT_LAYER: (KERNEL_BLOCKS, 16, 8, 64)}
-DEADLINE_S = 60.0
+DEADLINE_S = SPAWN_DEADLINE_S
 # Prefill's logical blocks of the request and decode's for the same tokens.
 PREFILL_BLOCKS = [1, 3]
 DECODE_BLOCKS = [0, 2]
