@@ -12,15 +12,17 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from pdstack.tiny_model import params
 from pdstack.tiny_model.draft import (
     DraftCheckpointError,
+    draft_config,
     save_draft,
     verify_draft_checkpoint,
 )
 from pdstack.tiny_model.fit import build_draft
-from pdstack.tiny_model.target import build_target, save_target
+from pdstack.tiny_model.target import build_target, config_fields, save_target
 from pdstack.tiny_model.tokenizer import build_tokenizer
 
 STAMP_FILE = "pd-tiny-stamp.json"
@@ -42,6 +44,17 @@ class Probe:
 
     prompt: list[int]
     greedy: list[int]
+
+
+def layout_configs() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pair's config.json (target, draft) as pdstack.kv_layout reads them,
+    without generating the pair: no torch, so a client venv judges a stack of
+    the tiny profile. Only the tokenizer's fields differ from the files (the
+    vocabulary does not shape the KV cache): its nominal size, no special ids."""
+    return (
+        config_fields(),
+        draft_config(params.TOKENIZER_VOCAB_SIZE, {}),
+    )
 
 
 def load_probes(models: TinyModels) -> list[Probe]:
