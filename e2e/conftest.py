@@ -16,6 +16,7 @@ are judged: README, "What the e2e suite proves".
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +38,25 @@ CORPUS = (
     "token at a time. Operators need proof that the cache really crossed and "
     "arrived intact, so every request is compared with a colocated reference. "
 )
+
+
+def full_install() -> bool:
+    """Is this `make install`'s venv (vLLM, torch, transformers), not the
+    client's (`make client`: enough to judge a stack given by URLs)?"""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except ImportError:  # a meta-path hook that blocks it
+        return False
+
+
+def require_full_install(what: str) -> None:
+    """Skip ``what`` in the client venv: it starts or builds with vLLM.
+    Also at a module's top (e2e/test_bench_smoke.py), before its imports."""
+    if not full_install():
+        pytest.skip(
+            f"{what}: `make install` (this venv is `make client`'s, no vLLM)",
+            allow_module_level=True,
+        )
 
 
 def tagged(tag: str) -> Callable[[str], None]:
@@ -155,6 +175,7 @@ def probes() -> list[tiny_model.Probe]:
     Generated locally (deterministic: the same bytes as the stack's own copy).
     The draft predicts the target only on these: a random target is chaotic.
     """
+    require_full_install("generating the tiny pair's probes (torch, transformers)")
     return tiny_model.load_probes(tiny_model.ensure_models(progress=_progress))
 
 
@@ -193,6 +214,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
             fault_file=Path(fault_file) if fault_file else None,
         )
         return
+    require_full_install("the CPU twin (no --router-url given)")
     E2E_RUN_DIR.mkdir(parents=True, exist_ok=True)
     FAULT_FILE.unlink(missing_ok=True)
     urls = twin.up(
