@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -49,14 +50,19 @@ def full_install() -> bool:
         return False
 
 
+def client_skip(what: str) -> NoReturn:
+    """Skip ``what``, which the client venv cannot do. Also at a module's top
+    (e2e/test_bench_smoke.py), before its imports."""
+    pytest.skip(
+        f"{what}: `make install` (this venv is `make client`'s, no vLLM)",
+        allow_module_level=True,
+    )
+
+
 def require_full_install(what: str) -> None:
-    """Skip ``what`` in the client venv: it starts or builds with vLLM.
-    Also at a module's top (e2e/test_bench_smoke.py), before its imports."""
+    """Skip ``what`` in the client venv: it starts or builds with vLLM."""
     if not full_install():
-        pytest.skip(
-            f"{what}: `make install` (this venv is `make client`'s, no vLLM)",
-            allow_module_level=True,
-        )
+        client_skip(what)
 
 
 def tagged(tag: str) -> Callable[[str], None]:
@@ -174,9 +180,15 @@ def probes() -> list[tiny_model.Probe]:
 
     Generated locally (deterministic: the same bytes as the stack's own copy).
     The draft predicts the target only on these: a random target is chaotic.
+    A client venv cannot generate the pair (torch, transformers): it reads
+    the probes of one this host generated before (the twin's, `make model`).
     """
-    require_full_install("generating the tiny pair's probes (torch, transformers)")
-    return tiny_model.load_probes(tiny_model.ensure_models(progress=_progress))
+    if full_install():
+        return tiny_model.load_probes(tiny_model.ensure_models(progress=_progress))
+    models = tiny_model.cache.generated()
+    if models is None:
+        client_skip("the tiny pair's probes (no pair generated on this host)")
+    return tiny_model.load_probes(models)
 
 
 def pytest_configure(config: pytest.Config) -> None:

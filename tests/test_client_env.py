@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pdstack import tiny_model as tm
 from pdstack.compose import ROOT
 from tests import client_venv
 
@@ -103,6 +104,19 @@ def test_negative_control_the_hook_catches_a_top_level_torch_import(
     assert "'torch'" in outcomes["needs_torch"]
     assert outcomes["needs_numpy"].startswith("failed: ModuleNotFoundError"), outcomes
     assert outcomes["pure"] == "ok"
+
+
+def test_the_client_reads_the_probes_of_a_pair_generated_here(
+    models: tm.TinyModels,
+) -> None:
+    """Without torch, from the model cache (e2e/conftest.py's probes)."""
+    code = (
+        "from pdstack import tiny_model as t; m = t.cache.generated(); "
+        "print(m.draft, len(t.load_probes(m)))"
+    )
+    done = as_client("-c", code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(models.draft), str(len(tm.load_probes(models)))]
 
 
 def constraint_pins() -> dict[str, str]:

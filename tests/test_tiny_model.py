@@ -113,6 +113,21 @@ def test_killed_generation_leaves_nothing_that_looks_valid(
     assert not orphan.exists()
 
 
+def test_generated_names_only_a_finished_run_of_this_generator(tmp_path: Path) -> None:
+    assert tm.cache.generated(tmp_path) is None
+    final = tmp_path / f"pd-tiny-dsv2-eagle3-{tm.generator_stamp()[:16]}"
+    (final / "draft").mkdir(parents=True)
+    (final / "draft" / tm.params.PROBE_FILE).write_text("{}")
+    assert tm.cache.generated(tmp_path) is None  # no stamp yet: still running
+    stamp = final / tm.cache.STAMP_FILE
+    stamp.write_text(json.dumps({"stamp": "another generator"}))
+    assert tm.cache.generated(tmp_path) is None
+    stamp.write_text(json.dumps({"stamp": tm.generator_stamp()}))
+    assert tm.cache.generated(tmp_path) == tm.TinyModels(
+        final / "target", final / "draft"
+    )
+
+
 # --- on the real generated pair -----------------------------------------------------
 def test_target_config_is_deepseek_mla_with_yarn(models: tm.TinyModels) -> None:
     config = json.loads((models.target / "config.json").read_text())
