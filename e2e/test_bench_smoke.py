@@ -26,7 +26,7 @@ from conftest import Stack, require_full_install
 
 # Both cases run `vllm bench serve`; bench's modules need more than the client
 # venv has (aiohttp, numpy), so the skip comes before they are imported.
-require_full_install("`vllm bench serve`")
+require_full_install("the bench smoke test (`vllm bench serve`)")
 
 from bench import kv_path, kv_transfer, report, settings  # noqa: E402
 from bench.run import tokenizer_of  # noqa: E402
