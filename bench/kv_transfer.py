@@ -28,17 +28,16 @@ COUNTERS = {
 
 def served_layout(prefill_url: str, profile: str) -> dict[str, Any] | None:
     """The measured stack's KV layout, as JSON for the report: its block size
-    and KV type from prefill's /metrics, the shapes from the generated models.
-    None for a profile whose model configs are not on this host."""
+    and KV type from prefill's /metrics, the shapes from the tiny pair's
+    configs (without generating it). None for a profile whose model configs
+    are not on this host."""
     if config.profile(profile).get("generate") != "tiny":
         return None
-    models = tiny_model.ensure_models(progress=lambda _: None)
     snapshot = m.scrape(prefill_url)
     layout = kv_layout.served(
         snapshot.labels_of(m.CACHE_CONFIG_INFO),
         snapshot.labels_of(m.KV_CACHE_INFO),
-        kv_layout.read_config(models.target),
-        kv_layout.read_config(models.draft),
+        *tiny_model.layout_configs(),
     )
     return asdict(layout)
 

@@ -16,10 +16,12 @@ are judged: README, "What the e2e suite proves".
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -37,6 +39,30 @@ CORPUS = (
     "token at a time. Operators need proof that the cache really crossed and "
     "arrived intact, so every request is compared with a colocated reference. "
 )
+
+
+def full_install() -> bool:
+    """Is this `make install`'s venv (vLLM, torch, transformers), not the
+    client's (`make client`: enough to judge a stack given by URLs)?"""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except ImportError:  # a meta-path hook that blocks it
+        return False
+
+
+def client_skip(what: str) -> NoReturn:
+    """Skip ``what``, which the client venv cannot do. Also at a module's top
+    (e2e/test_bench_smoke.py), before its imports."""
+    pytest.skip(
+        f"{what}: `make install` (this venv is `make client`'s, no vLLM)",
+        allow_module_level=True,
+    )
+
+
+def require_full_install(what: str) -> None:
+    """Skip ``what`` in the client venv: it starts or builds with vLLM."""
+    if not full_install():
+        client_skip(what)
 
 
 def tagged(tag: str) -> Callable[[str], None]:
@@ -154,8 +180,15 @@ def probes() -> list[tiny_model.Probe]:
 
     Generated locally (deterministic: the same bytes as the stack's own copy).
     The draft predicts the target only on these: a random target is chaotic.
+    A client venv cannot generate the pair (torch, transformers): it reads
+    the probes of one this host generated before (the twin's, `make model`).
     """
-    return tiny_model.load_probes(tiny_model.ensure_models(progress=_progress))
+    if full_install():
+        return tiny_model.load_probes(tiny_model.ensure_models(progress=_progress))
+    models = tiny_model.cache.generated()
+    if models is None:
+        client_skip("the tiny pair's probes (no pair generated on this host)")
+    return tiny_model.load_probes(models)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -193,6 +226,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
             fault_file=Path(fault_file) if fault_file else None,
         )
         return
+    require_full_install("the CPU twin (no --router-url given)")
     E2E_RUN_DIR.mkdir(parents=True, exist_ok=True)
     FAULT_FILE.unlink(missing_ok=True)
     urls = twin.up(
@@ -225,9 +259,8 @@ def layout(stack: Stack, request: pytest.FixtureRequest) -> kv_layout.KVLayout:
         draft_path = opt("draft_config")
         draft = kv_layout.read_config(Path(draft_path)) if draft_path else None
     else:
-        models = tiny_model.ensure_models(progress=_progress)
-        target = kv_layout.read_config(models.target)
-        draft = kv_layout.read_config(models.draft)
+        # The tiny pair's, without generating it (no torch in a client venv).
+        target, draft = tiny_model.layout_configs()
     layouts = {}
     for name in ("prefill", "decode"):
         snapshot = m.scrape(getattr(stack, name))

@@ -20,6 +20,7 @@ from unittest import mock
 import pytest
 
 import faults_helpers as fh
+from conftest import require_full_install
 from pdstack import config, supervisor, twin
 
 # Development: PD_FAULTS_KEEP=1 leaves the fault stack running after the
@@ -45,6 +46,7 @@ def faults(request: pytest.FixtureRequest) -> Iterator[fh.FaultStack]:
         yield given
         fh.print_table()
         return
+    require_full_install("the fault suite's own CPU twin")
     # The fault stack's port variables (configs/ports.env's names): the
     # session twin's ports, moved.
     base = config.ports()

@@ -22,10 +22,15 @@ from pathlib import Path
 
 import pytest
 
-from bench import kv_path, kv_transfer, report, settings
-from bench.run import tokenizer_of
-from bench.vllm_bench import Level, Plan
-from conftest import Stack
+from conftest import Stack, require_full_install
+
+# Both cases run `vllm bench serve`; bench's modules need more than the client
+# venv has (aiohttp, numpy), so the skip comes before they are imported.
+require_full_install("the bench smoke test (`vllm bench serve`)")
+
+from bench import kv_path, kv_transfer, report, settings  # noqa: E402
+from bench.run import tokenizer_of  # noqa: E402
+from bench.vllm_bench import Level, Plan  # noqa: E402
 
 PROMPTS = 2
 INPUT_LEN = 128

@@ -11,12 +11,13 @@ condition holds (the e2e twin's decode has the test-only fault switch).
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 
 import pytest
 import yaml
 
-from conftest import Stack
+from conftest import Stack, require_full_install
 from pdstack import client, config, prometheus, wait
 from pdstack import metrics as m
 
@@ -32,6 +33,9 @@ COUNTERS = {
 
 @pytest.fixture(scope="module")
 def prom(stack: Stack) -> Iterator[prometheus.Prometheus]:
+    if shutil.which("prometheus") is None:
+        # Debian's package: the twin's venv installs it, the client's does not.
+        require_full_install("a Prometheus of this suite's own (Debian's package)")
     router_host = prometheus.host_port(stack.router).split(":")[0]
     targets = {
         "prefill": prometheus.host_port(stack.prefill),

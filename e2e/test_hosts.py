@@ -19,6 +19,7 @@ import hosts_helpers as hh
 import pytest
 
 import faults_helpers as fh
+from conftest import require_full_install
 from pdstack import hosts, wait
 from pdstack import metrics as m
 from pdstack.client import greedy
@@ -28,6 +29,7 @@ from pdstack.client import greedy
 def h(request: pytest.FixtureRequest) -> Iterator[hh.Hosts]:
     if request.config.getoption("router_url"):
         pytest.skip("the multi-host twin runs only where this suite starts stacks")
+    require_full_install("the multi-host twin")
     bounds, launch = fh.stack_settings(fh.settings())
     twin = hosts.HostsTwin(run_dir=hh.RUN_DIR, progress=hh.progress, **launch)
     try:

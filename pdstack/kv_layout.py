@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pd_mooncake import registration
+from pd_mooncake import metric_names
 
 # The plugin's names for the two layouts (its region report and
 # vllm:mooncake_region_bytes_total{layout}).
-MLA = registration.MLA_LAYOUT
-GQA = registration.GQA_LAYOUT
+MLA = metric_names.MLA_LAYOUT
+GQA = metric_names.GQA_LAYOUT
 
 # Bytes per element of vLLM's dtype and kv-cache-dtype names.
 DTYPE_BYTES = {

@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pdstack import kv_layout
 from pdstack import tiny_model as tm
 
 SPECIALS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
@@ -112,6 +113,21 @@ def test_killed_generation_leaves_nothing_that_looks_valid(
     assert not orphan.exists()
 
 
+def test_generated_names_only_a_finished_run_of_this_generator(tmp_path: Path) -> None:
+    assert tm.cache.generated(tmp_path) is None
+    final = tmp_path / f"pd-tiny-dsv2-eagle3-{tm.generator_stamp()[:16]}"
+    (final / "draft").mkdir(parents=True)
+    (final / "draft" / tm.params.PROBE_FILE).write_text("{}")
+    assert tm.cache.generated(tmp_path) is None  # no stamp yet: still running
+    stamp = final / tm.cache.STAMP_FILE
+    stamp.write_text(json.dumps({"stamp": "another generator"}))
+    assert tm.cache.generated(tmp_path) is None
+    stamp.write_text(json.dumps({"stamp": tm.generator_stamp()}))
+    assert tm.cache.generated(tmp_path) == tm.TinyModels(
+        final / "target", final / "draft"
+    )
+
+
 # --- on the real generated pair -----------------------------------------------------
 def test_target_config_is_deepseek_mla_with_yarn(models: tm.TinyModels) -> None:
     config = json.loads((models.target / "config.json").read_text())
@@ -129,6 +145,28 @@ def test_target_config_is_deepseek_mla_with_yarn(models: tm.TinyModels) -> None:
     generation = json.loads((models.target / "generation_config.json").read_text())
     assert generation["eos_token_id"] == config["eos_token_id"]
     assert set(generation) <= {*SPECIALS, "transformers_version"}
+
+
+def test_layout_configs_are_the_generated_files_but_the_tokenizer(
+    models: tm.TinyModels,
+) -> None:
+    """What a client venv reads instead of generating the pair (no torch):
+    every field of the files, the tokenizer's aside, and so the same layout."""
+    pure = tm.layout_configs()
+    for path, fields in zip((models.target, models.draft), pure, strict=True):
+        files = json.loads((path / "config.json").read_text())
+        tokenizer_fields = {"vocab_size", "draft_vocab_size", *SPECIALS}
+        assert {k: files.get(k) for k in fields if k not in tokenizer_fields} == {
+            k: v for k, v in fields.items() if k not in tokenizer_fields
+        }, path
+    for dtype, block in (("float32", 16), ("bfloat16", 64)):
+        generated = kv_layout.layout(
+            kv_layout.read_config(models.target),
+            kv_layout.read_config(models.draft),
+            dtype,
+            block,
+        )
+        assert kv_layout.layout(*pure, dtype, block) == generated
 
 
 def test_draft_is_a_complete_eagle3_llama(

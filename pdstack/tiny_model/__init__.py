@@ -23,7 +23,13 @@ package for its constants is cheap.
 
 # The submodules are part of the interface (tests reach tiny_model.cache etc.).
 from pdstack.tiny_model import cache, draft, eagle3, fit, params, target, tokenizer
-from pdstack.tiny_model.cache import Probe, TinyModels, ensure_models, load_probes
+from pdstack.tiny_model.cache import (
+    Probe,
+    TinyModels,
+    ensure_models,
+    layout_configs,
+    load_probes,
+)
 from pdstack.tiny_model.draft import DraftCheckpointError, verify_draft_checkpoint
 from pdstack.tiny_model.params import DTYPE, generator_stamp
 
@@ -38,6 +44,7 @@ __all__ = [
     "ensure_models",
     "fit",
     "generator_stamp",
+    "layout_configs",
     "load_probes",
     "params",
     "target",

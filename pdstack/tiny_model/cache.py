@@ -12,15 +12,17 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from pdstack.tiny_model import params
 from pdstack.tiny_model.draft import (
     DraftCheckpointError,
+    draft_config,
     save_draft,
     verify_draft_checkpoint,
 )
 from pdstack.tiny_model.fit import build_draft
-from pdstack.tiny_model.target import build_target, save_target
+from pdstack.tiny_model.target import build_target, config_fields, save_target
 from pdstack.tiny_model.tokenizer import build_tokenizer
 
 STAMP_FILE = "pd-tiny-stamp.json"
@@ -42,6 +44,17 @@ class Probe:
 
     prompt: list[int]
     greedy: list[int]
+
+
+def layout_configs() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pair's config.json (target, draft) as pdstack.kv_layout reads them,
+    without generating the pair: no torch, so a client venv judges a stack of
+    the tiny profile. Only the tokenizer's fields differ from the files (the
+    vocabulary does not shape the KV cache): its nominal size, no special ids."""
+    return (
+        config_fields(),
+        draft_config(params.TOKENIZER_VOCAB_SIZE, {}),
+    )
 
 
 def load_probes(models: TinyModels) -> list[Probe]:
@@ -122,6 +135,32 @@ def _install(tmp: Path, final: Path, stamp: str) -> None:
             raise
 
 
+def _cache_dir(cache_dir: Path | None) -> Path:
+    if cache_dir is None:
+        cache_dir = os.environ.get("PD_MODEL_CACHE") or "~/.cache/pd-mooncake/models"
+    return Path(cache_dir).expanduser()
+
+
+def _final(cache_dir: Path, stamp: str) -> Path:
+    return cache_dir / f"pd-tiny-dsv2-eagle3-{stamp[:16]}"
+
+
+def generated(cache_dir: Path | None = None) -> TinyModels | None:
+    """The pair if this generator's run completed in the cache, else None;
+    read with json alone, for a client venv (no torch, no safetensors): the
+    stamp file is written inside the temp dir that is renamed into place
+    whole, so a recorded stamp names a finished generation."""
+    stamp = params.generator_stamp()
+    final = _final(_cache_dir(cache_dir), stamp)
+    try:
+        recorded = json.loads((final / STAMP_FILE).read_text()).get("stamp")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if recorded != stamp or not (final / "draft" / params.PROBE_FILE).is_file():
+        return None
+    return TinyModels(target=final / "target", draft=final / "draft")
+
+
 def ensure_models(
     cache_dir: Path | None = None, progress: Callable[[str], None] = print
 ) -> TinyModels:
@@ -130,11 +169,9 @@ def ensure_models(
     The directory name carries the generator stamp, and a generation happens in
     a temp dir renamed into place only when complete, so a killed run never
     leaves a directory that looks valid."""
-    if cache_dir is None:
-        cache_dir = os.environ.get("PD_MODEL_CACHE") or "~/.cache/pd-mooncake/models"
-    cache_dir = Path(cache_dir).expanduser()
+    cache_dir = _cache_dir(cache_dir)
     stamp = params.generator_stamp()
-    final = cache_dir / f"pd-tiny-dsv2-eagle3-{stamp[:16]}"
+    final = _final(cache_dir, stamp)
     models = TinyModels(target=final / "target", draft=final / "draft")
     if _is_complete(final, stamp):
         return models

@@ -15,13 +15,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 
-def build_target(tokenizer: PreTrainedTokenizerFast) -> Any:
-    """DeepseekV2ForCausalLM with MLA, YaRN, dense MLPs and random weights."""
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    config = DeepseekV2Config(
-        vocab_size=len(tokenizer),
+def config_fields() -> dict[str, Any]:
+    """The target's config.json fields but the tokenizer's (vocabulary size,
+    special token ids): pure, so the e2e suite and the bench read the pair's
+    KV layout without generating it (a client venv has no torch)."""
+    return dict(
         hidden_size=params.TARGET_HIDDEN_SIZE,
         intermediate_size=params.TARGET_INTERMEDIATE_SIZE,
         num_hidden_layers=params.TARGET_NUM_LAYERS,
@@ -44,7 +42,18 @@ def build_target(tokenizer: PreTrainedTokenizerFast) -> Any:
         rms_norm_eps=params.RMS_NORM_EPS,
         rope_parameters=dict(params.TARGET_ROPE_PARAMETERS),
         tie_word_embeddings=False,
+    )
+
+
+def build_target(tokenizer: PreTrainedTokenizerFast) -> Any:
+    """DeepseekV2ForCausalLM with MLA, YaRN, dense MLPs and random weights."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=len(tokenizer),
         attn_implementation="eager",
+        **config_fields(),
         **special_ids(tokenizer),
     )
     config.architectures = ["DeepseekV2ForCausalLM"]

@@ -15,8 +15,10 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FAULT_ENV = "PD_MOONCAKE_FAULT"
 FAULT_FILE_ENV = "PD_MOONCAKE_FAULT_FILE"
@@ -64,6 +66,10 @@ def corrupt_blocks(
     MLA and CPU caches, dim 1 where a GPU backend puts K and V first
     (FlashAttention's ``(2, num_blocks, block_size, heads, head_size)``).
     """
+    # Here, not at the top: the e2e suite imports the fault names above from
+    # a client venv without torch.
+    import torch
+
     ids = torch.tensor(sorted(set(kernel_block_ids)), dtype=torch.long)
     if ids.numel() == 0:
         return 0

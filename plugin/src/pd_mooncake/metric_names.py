@@ -15,8 +15,13 @@ FAILED_TRANSFERS = "vllm:mooncake_failed_transfers"
 RETRIED_TRANSFERS = "vllm:mooncake_retried_transfers"
 FAILED_RECVS = "vllm:mooncake_failed_recvs"
 EXPIRED = "vllm:mooncake_expired_requests"
-# Labels: region (the registered KV tensor), layout.
+# Labels: region (the registered KV tensor), layout (one of the two below).
 REGION_BYTES = "vllm:mooncake_region_bytes"
+# The values of the layout label: how a registered region lays out its KV
+# (pd_mooncake.registration assigns them; pdstack.kv_layout predicts bytes by
+# them, without vLLM or torch).
+MLA_LAYOUT = "MLA-latent"
+GQA_LAYOUT = "GQA K/V"
 TRANSFER_TIME = "vllm:mooncake_transfer_time_seconds"
 TRANSFER_SIZE = "vllm:mooncake_transfer_size_bytes"
 # Labels only: kv_cache_dtype, tensor_parallel_size, fault_switch.

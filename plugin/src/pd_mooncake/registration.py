@@ -25,11 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+# Re-exported: the plugin's modules and tests name them registration.*.
+from pd_mooncake.metric_names import GQA_LAYOUT as GQA_LAYOUT
+from pd_mooncake.metric_names import MLA_LAYOUT as MLA_LAYOUT
 
-MLA_LAYOUT = "MLA-latent"
-GQA_LAYOUT = "GQA K/V"
+if TYPE_CHECKING:
+    import torch
 
 
 class KVLayoutError(ValueError):

@@ -47,9 +47,14 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+# numpy and torch inside the functions that touch memory: the record's
+# arithmetic below is what the e2e suite imports, from a client venv with
+# neither (`make client`).
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 KEY = "kv_staging_mib"
 # One descriptor of a staged write: large against Mooncake's per-descriptor
@@ -140,6 +145,8 @@ class Memory:
     holds an address."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        import torch
+
         storages: dict[int, torch.Tensor] = {}
         for t in tensors:
             s = t.untyped_storage()
@@ -169,9 +176,14 @@ class Memory:
         return flat[offset : offset + nbytes]
 
     def read_words(self, addr: int, count: int) -> np.ndarray:
+        import numpy as np
+
         return self.view(addr, count * 8).cpu().numpy().view(np.uint64)
 
     def write_words(self, addr: int, words: np.ndarray) -> None:
+        import numpy as np
+        import torch
+
         data = torch.from_numpy(words.view(np.uint8).copy())
         self.view(addr, words.nbytes).copy_(data)
 
@@ -201,6 +213,8 @@ def copy(
     # wait on the devices they ran on. Prefill's write reads the buffer
     # through Mooncake, outside any stream, and decode's checksum and forward
     # follow; both need the bytes in place.
+    import torch
+
     for device in to.devices | source.devices:
         torch.cuda.synchronize(device)
 
@@ -252,6 +266,8 @@ TARGET: contextvars.ContextVar[Target | None] = contextvars.ContextVar(
 
 
 def header(nonce: int, dsts: Sequence[int], lengths: Sequence[int]) -> np.ndarray:
+    import numpy as np
+
     words = np.zeros(head_bytes(len(dsts)) // 8, np.uint64)
     words[:HEAD_WORDS] = (MAGIC, nonce, len(dsts))
     words[HEAD_WORDS : HEAD_WORDS + len(dsts)] = dsts
