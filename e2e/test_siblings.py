@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from conftest import Stack
 from faults_helpers import counters, transferred
-from pdstack import client, kv_layout
+from pdstack import client, kv_layout, oracle
 from pdstack import metrics as m
 
 MAX_TOKENS = 12
@@ -29,7 +29,17 @@ def test_each_prompt_of_a_batch_is_decoded_from_its_own_kv(
     distinct = {tuple(s.token for s in e) for e in expected}
     assert len(distinct) == 3, "prompts must differ in output"
     before = counters(stack)
-    got = [c.token_ids for c in client.complete_all(stack.router, batch, MAX_TOKENS)]
+    # Judged on log-probabilities: the candidates keyed by token id, as
+    # pdstack.client.trace asks for them.
+    done = client.complete_all(
+        stack.router,
+        batch,
+        MAX_TOKENS,
+        logprobs=2,
+        return_tokens_as_token_ids=True,
+    )
+    assert all(c.top_logprobs is not None for c in done), done
+    got = [oracle.steps(c.token_ids, c.top_logprobs or []) for c in done]
     tokens = sum(kv_layout.tokens_loaded(len(p)) for p in batch)
     # Every engine request's own blocks, not one prompt's KV four times.
     moved = sum(layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in batch)
