@@ -177,10 +177,18 @@ JUDGED: list[tuple[str, oracle.Verdict]] = []
 CALIBRATION_TOKENS = 16
 
 
+# What a judged request asks for: the best candidates of every position
+# keyed by token id (two tokens of the same text stay apart). Five: a flip at
+# a near-tie is accepted only to a token the reference rated, and a third
+# token can lie as close as the runner-up.
+TRACE = {"logprobs": 5, "return_tokens_as_token_ids": True}
+
+
 def trace_steps(url: str, prompt: list[int], max_tokens: int) -> list[oracle.Step]:
-    """Greedy tokens of ``url`` with their log-probabilities and margins."""
-    done = client.trace(url, prompt, max_tokens)
-    assert done.top_logprobs is not None
+    """Greedy tokens of ``url`` with their candidates' log-probabilities."""
+    done = client.complete(url, prompt, max_tokens, **TRACE)
+    if done.top_logprobs is None or len(done.top_logprobs) != len(done.token_ids):
+        raise client.CompletionError(f"{url}: no top logprobs per token in {done}")
     return oracle.steps(done.token_ids, done.top_logprobs)
 
 

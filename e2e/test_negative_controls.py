@@ -132,11 +132,14 @@ def corrupted(
 
 
 def token_0(expected: list[oracle.Step], got: list[oracle.Step]) -> str:
-    """How far an answer's token 0 is from the reference's: |Δlogprob| of the
-    chosen token (the same token or not: the distribution moved), and the
+    """How far an answer's token 0 is from the reference's: the largest
+    |Δlogprob| of a candidate both report, the chosen tokens' own, and the
     reference's margin where the token differs."""
     want, have = expected[0], got[0]
-    said = f"|Δlogprob| {abs(have.logprob - want.logprob):.3f}"
+    said = (
+        f"|Δlogprob| {oracle.largest_move(want, have):.3f} "
+        f"(chosen {abs(have.logprob - want.logprob):.3f})"
+    )
     if have.token != want.token:
         said += f", another token (reference margin {want.margin:.3f})"
     return said

@@ -11,7 +11,7 @@ loaded every engine request's prompt from prefill.
 
 from __future__ import annotations
 
-from conftest import Stack
+from conftest import TRACE, Stack
 from faults_helpers import counters, transferred
 from pdstack import client, kv_layout, oracle
 from pdstack import metrics as m
@@ -29,15 +29,8 @@ def test_each_prompt_of_a_batch_is_decoded_from_its_own_kv(
     distinct = {tuple(s.token for s in e) for e in expected}
     assert len(distinct) == 3, "prompts must differ in output"
     before = counters(stack)
-    # Judged on log-probabilities: the candidates keyed by token id, as
-    # pdstack.client.trace asks for them.
-    done = client.complete_all(
-        stack.router,
-        batch,
-        MAX_TOKENS,
-        logprobs=2,
-        return_tokens_as_token_ids=True,
-    )
+    # Judged on log-probabilities, asked for as every judged answer is.
+    done = client.complete_all(stack.router, batch, MAX_TOKENS, **TRACE)
     assert all(c.top_logprobs is not None for c in done), done
     got = [oracle.steps(c.token_ids, c.top_logprobs or []) for c in done]
     tokens = sum(kv_layout.tokens_loaded(len(p)) for p in batch)

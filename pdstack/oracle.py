@@ -12,20 +12,24 @@ was 0.188 nats, over the fixed 0.1 this oracle once assumed). Wrong KV moves
 log-probabilities by nats.
 
 So the band is measured, not assumed (``calibrate``): P/D answers against
-their references on probe prompts, the largest |Δlogprob| of the tokens they
-share, times ``MULTIPLE``, at least a floor. Then an answer (``judge``) must
-keep every judged token's log-probability within the band of the reference's
-and may leave the reference only where the reference's top-1 over top-2
-margin lies inside the band (a near-tie): from there on the two continue
-from different text and nothing more is compared. Where the stack is exact
+their references on probe prompts, the largest |Δlogprob| of a candidate
+token both report (the chosen one, the runners-up they share) up to their
+first difference, times ``MULTIPLE``, at least a floor. Then an answer
+(``judge``) must keep, at every judged position, those log-probabilities
+within the band of the reference's, and may take another token only where
+the reference rated it within the band of its own choice (a near-tie), its
+log-probabilities still within the band (wrong KV can flip a near-tie too,
+but moves everything by nats): from there on the two continue from
+different text and nothing more is compared. Where the stack is exact
 (the float32 twin; a GPU stack whose preflight says batch invariant),
 ``Band.exact`` compares every token and accepts no divergence at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 # Twice the largest |Δlogprob| seen bounds a margin (a difference of two
 # log-probabilities, each moved by up to it), and 1.5 on top covers noise a
@@ -55,12 +59,27 @@ class CalibrationError(RuntimeError):
 
 @dataclass(frozen=True)
 class Step:
-    """One generated position: the token, its log-probability, and how far
-    that is above the runner-up's (the margin, in nats)."""
+    """One generated position: the token, its log-probability, how far that
+    is above the runner-up's (the margin, in nats), and every candidate the
+    server reported with its log-probability (the chosen token included)."""
 
     token: int
     logprob: float
     margin: float
+    top: Mapping[int, float] = field(default_factory=dict, compare=False)
+
+    def candidates(self) -> dict[int, float]:
+        return {**self.top, self.token: self.logprob}
+
+
+def largest_move(want: Step, got: Step) -> float:
+    """The largest |Δlogprob| of a token both positions report: the chosen
+    token where they agree, and the runners-up they share."""
+    theirs = got.candidates()
+    return max(
+        (abs(theirs[t] - lp) for t, lp in want.candidates().items() if t in theirs),
+        default=0.0,
+    )
 
 
 @dataclass(frozen=True)
@@ -157,17 +176,22 @@ def judge(reference: Sequence[Step], answer: Sequence[Step], band: Band) -> Verd
         )
 
     for i, (want, got) in enumerate(zip(reference, answer, strict=False)):
-        inside = want.margin <= band.nats
-        if got.token != want.token:
-            if inside and not band.exact:
-                return verdict(True, i, flipped_at=i, margin=want.margin)
-            return verdict(
-                False, i, failed_at=i, failure="diverged", margin=want.margin
-            )
-        near_ties += inside
-        delta = abs(got.logprob - want.logprob)
+        delta = largest_move(want, got)
         if delta > largest:
             largest, largest_at = delta, i
+        if got.token != want.token:
+            # Another token is noise only if the reference rated it within
+            # the band of its own choice (a near-tie), and every token both
+            # report kept its log-probability: wrong KV moves them all.
+            theirs = want.candidates().get(got.token, -math.inf)
+            if band.exact or want.logprob - theirs > band.nats:
+                return verdict(
+                    False, i, failed_at=i, failure="diverged", margin=want.margin
+                )
+            if delta > band.nats:
+                return verdict(False, i, failed_at=i, failure="moved")
+            return verdict(True, i, flipped_at=i, margin=want.logprob - theirs)
+        near_ties += want.margin <= band.nats
         if delta > band.nats:
             return verdict(False, i + 1, failed_at=i, failure="moved")
     judged = min(len(reference), len(answer))
@@ -182,7 +206,7 @@ def shared_deltas(reference: Sequence[Step], answer: Sequence[Step]) -> list[flo
     for want, got in zip(reference, answer, strict=False):
         if got.token != want.token:
             break
-        out.append(abs(got.logprob - want.logprob))
+        out.append(largest_move(want, got))
     return out
 
 
@@ -226,13 +250,17 @@ def calibrate(
 def steps(
     token_ids: Sequence[int], top_logprobs: Sequence[dict[str, float]]
 ) -> list[Step]:
-    """Steps from an OpenAI completion's ``logprobs.top_logprobs`` (two per
-    position at least, keyed "token_id:N" as ``pdstack.client.trace`` asks).
-    vLLM adds the chosen token to its position's candidates; under other keys
-    a greedy token is the best one. A single candidate is not tied."""
+    """Steps from an OpenAI completion's ``logprobs.top_logprobs`` (two
+    candidates per position at least), keyed "token_id:N" as
+    ``pdstack.client.trace`` asks (two tokens of the same text stay apart).
+    vLLM adds the chosen token to its position's candidates. A single
+    candidate is not tied."""
     out = []
     for token, top in zip(token_ids, top_logprobs, strict=True):
-        best = sorted(top.values(), reverse=True)
-        margin = best[0] - best[1] if len(best) > 1 else float("inf")
-        out.append(Step(token, top.get(f"token_id:{token}", best[0]), margin))
+        by_id = {int(key.removeprefix("token_id:")): lp for key, lp in top.items()}
+        if token not in by_id:
+            raise ValueError(f"token {token} is not among its candidates {top}")
+        best = sorted(by_id.values(), reverse=True)
+        margin = best[0] - best[1] if len(best) > 1 else math.inf
+        out.append(Step(token, by_id[token], margin, by_id))
     return out

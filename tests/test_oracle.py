@@ -16,24 +16,26 @@ import pytest
 from pdstack import oracle
 from pdstack.oracle import Band, CalibrationError, Step, calibrate, judge, steps
 
-# (token, logprob, margin) of a reference's 12 greedy positions.
-REFERENCE = [
-    Step(t, lp, m)
-    for t, lp, m in [
-        (4711, -2.61, 0.188),  # the near-tie issue 25 met at token 0
-        (93, -3.02, 1.41),
-        (2207, -2.18, 0.97),
-        (15, -3.77, 0.42),
-        (881, -2.95, 2.30),
-        (4711, -3.40, 0.05),
-        (302, -2.26, 1.12),
-        (77, -3.15, 0.66),
-        (1290, -2.83, 3.05),
-        (93, -3.61, 0.29),
-        (640, -2.47, 1.83),
-        (12, -3.09, 0.74),
-    ]
+# (token, logprob, runner-up, its logprob) of a reference's 12 positions, as
+# the server reports them (top logprobs keyed by token id).
+TRACE = [
+    (4711, -2.61, 15, -2.798),  # the near-tie issue 25 met at token 0: 0.188
+    (93, -3.02, 640, -4.43),
+    (2207, -2.18, 12, -3.15),
+    (15, -3.77, 881, -4.19),
+    (881, -2.95, 93, -5.25),
+    (4711, -3.40, 302, -3.45),
+    (302, -2.26, 77, -3.38),
+    (77, -3.15, 2207, -3.81),
+    (1290, -2.83, 4711, -5.88),
+    (93, -3.61, 15, -3.90),
+    (640, -2.47, 1290, -4.30),
+    (12, -3.09, 302, -3.83),
 ]
+REFERENCE = steps(
+    [t for t, *_ in TRACE],
+    [{f"token_id:{t}": lp, f"token_id:{r}": rlp} for t, lp, r, rlp in TRACE],
+)
 # The largest |Δlogprob| of a healthy bf16 answer (issue 25's stack flipped
 # a 0.188-nat margin: a margin is two such moves).
 BF16_NOISE = 0.07
@@ -42,24 +44,32 @@ BF16_NOISE = 0.07
 def noisy(
     reference: list[Step], scale: float, seed: int, shift: float = 0.0
 ) -> list[Step]:
-    """The same tokens, each log-probability moved by up to ``scale`` (and
-    token 0's by ``shift`` more: wrong KV acts there first)."""
+    """The same tokens, each candidate's log-probability moved by up to
+    ``scale`` (and token 0's by ``shift`` more: wrong KV acts there first)."""
     rng = random.Random(seed)
-    return [
-        Step(
-            s.token,
-            s.logprob + rng.uniform(-scale, scale) + (shift if i == 0 else 0.0),
-            s.margin,
-        )
-        for i, s in enumerate(reference)
-    ]
+    out = []
+    for i, s in enumerate(reference):
+        top = {
+            t: lp + rng.uniform(-scale, scale) + (shift if i == 0 else 0.0)
+            for t, lp in s.top.items()
+        }
+        out.append(Step(s.token, top[s.token], s.margin, top))
+    return out
 
 
-def flipped(answer: list[Step], at: int, token: int = 1) -> list[Step]:
-    """``answer`` with another token at ``at`` and its own text after it."""
+def flipped(answer: list[Step], at: int, token: int | None = None) -> list[Step]:
+    """``answer`` taking ``token`` (default: the runner-up it reports) at
+    ``at``, with its own text after it."""
+    here = answer[at]
+    token = (
+        token
+        if token is not None
+        else max((t for t in here.top if t != here.token), key=here.top.__getitem__)
+    )
+    top = {**here.top, token: here.top.get(token, -9.0)}
     return [
         *answer[:at],
-        Step(token, answer[at].logprob, 0.3),
+        Step(token, top[token], 0.1, top),
         *(Step(9000 + i, -3.0, 0.5) for i in range(len(answer) - at - 1)),
     ]
 
@@ -85,6 +95,7 @@ def test_healthy_bf16_noise_passes(bf16_band: Band) -> None:
     assert verdict.judged == len(REFERENCE)
     # Every margin up to the band's counts: 0.188, 0.05 (and 0.29 if inside).
     assert verdict.near_ties == sum(s.margin <= bf16_band.nats for s in REFERENCE)
+    assert verdict.near_ties >= 2
     assert 0 < verdict.largest <= BF16_NOISE
     assert "near-ties" in verdict.describe()
 
@@ -95,7 +106,8 @@ def test_a_flip_at_a_near_tie_inside_the_band_passes(bf16_band: Band) -> None:
     answer = flipped(noisy(REFERENCE, BF16_NOISE, seed=5), at=0)
     verdict = judge(REFERENCE, answer, bf16_band)
     assert verdict.ok, verdict.describe()
-    assert (verdict.flipped_at, verdict.judged, verdict.margin) == (0, 0, 0.188)
+    assert (verdict.flipped_at, verdict.judged) == (0, 0)
+    assert verdict.margin == pytest.approx(0.188)
     assert "near-tie at token 0" in verdict.describe()
     # Not under a band of 0.1 nats, the fixed epsilon this oracle replaced.
     assert not judge(REFERENCE, answer, Band(0.1, exact=False)).ok
@@ -105,7 +117,8 @@ def test_a_flip_where_the_reference_is_confident_fails(bf16_band: Band) -> None:
     answer = flipped(noisy(REFERENCE, BF16_NOISE, seed=6), at=1)
     verdict = judge(REFERENCE, answer, bf16_band)
     assert not verdict.ok
-    assert (verdict.failure, verdict.failed_at, verdict.margin) == ("diverged", 1, 1.41)
+    assert (verdict.failure, verdict.failed_at) == ("diverged", 1)
+    assert verdict.margin == pytest.approx(1.41)
     assert "left the reference at token 1" in verdict.describe()
 
 
@@ -124,7 +137,32 @@ def test_wrong_kv_moving_token_0_fails_without_a_flip(
     assert "token 0 moved" in verdict.describe()
 
 
+@pytest.mark.parametrize("shift", [-3.0, 1.5])
+def test_wrong_kv_flipping_a_near_tie_fails(bf16_band: Band, shift: float) -> None:
+    """Negative control: wrong KV also flips near-ties (docs/reliability.md:
+    corrupt_checked_kv left the reference at token 0 where its margin was
+    0.17 nats), but moves the log-probabilities with it."""
+    answer = flipped(noisy(REFERENCE, BF16_NOISE, seed=10, shift=shift), at=0)
+    verdict = judge(REFERENCE, answer, bf16_band)
+    assert (verdict.ok, verdict.failure, verdict.failed_at) == (False, "moved", 0)
+
+
+def test_a_token_the_reference_did_not_rate_close_fails(bf16_band: Band) -> None:
+    """At a near-tie, another token than the runners-up the reference rated
+    within the band is not noise."""
+    answer = flipped(noisy(REFERENCE, BF16_NOISE, seed=11), at=0, token=555)
+    verdict = judge(REFERENCE, answer, bf16_band)
+    assert (verdict.ok, verdict.failure, verdict.failed_at) == (False, "diverged", 0)
+
+
 def test_a_move_later_on_the_shared_tokens_fails(bf16_band: Band) -> None:
+    answer = noisy(REFERENCE, BF16_NOISE, seed=8)
+    answer[6] = Step(answer[6].token, answer[6].logprob - 0.5, answer[6].margin)
+    # A runner-up moved alone counts as much.
+    assert not judge(REFERENCE, answer, bf16_band).ok
+    answer = noisy(REFERENCE, BF16_NOISE, seed=8)
+    answer[6].top[77] -= 0.5
+    assert judge(REFERENCE, answer, bf16_band).failed_at == 6
     answer = noisy(REFERENCE, BF16_NOISE, seed=8)
     answer[6] = Step(answer[6].token, answer[6].logprob - 0.5, answer[6].margin)
     verdict = judge(REFERENCE, answer, bf16_band)
@@ -190,5 +228,8 @@ def test_steps_from_top_logprobs() -> None:
     assert got[0].margin == pytest.approx(1.5)
     assert got[1].margin == pytest.approx(0.02)
     assert got[2].margin == float("inf")
+    assert got[3].top == {4: -1.5, 5: -0.9}
     with pytest.raises(ValueError):
         steps([7, 3], top)
+    with pytest.raises(ValueError, match="not among its candidates"):
+        steps([8], top[:1])
