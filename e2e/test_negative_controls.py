@@ -133,13 +133,17 @@ def corrupted(
 
 def token_0(expected: list[oracle.Step], got: list[oracle.Step]) -> str:
     """How far an answer's token 0 is from the reference's: the largest
-    |Δlogprob| of a candidate both report, the chosen tokens' own, and the
-    reference's margin where the token differs."""
+    |Δlogprob| of a candidate both report or, with none in common, how far
+    the reference's token fell at least (below the answer's last candidate);
+    the chosen tokens' own |Δlogprob|, and the reference's margin where the
+    token differs."""
     want, have = expected[0], got[0]
-    said = (
-        f"|Δlogprob| {oracle.largest_move(want, have):.3f} "
-        f"(chosen {abs(have.logprob - want.logprob):.3f})"
-    )
+    if set(want.candidates()) & set(have.candidates()):
+        said = f"|Δlogprob| {oracle.largest_move(want, have):.3f}"
+    else:
+        fell = want.logprob - min(have.candidates().values())
+        said = f"no candidate in common: fell >= {fell:.2f}"
+    said += f" (chosen {abs(have.logprob - want.logprob):.3f})"
     if have.token != want.token:
         said += f", another token (reference margin {want.margin:.3f})"
     return said
