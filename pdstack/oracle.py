@@ -4,12 +4,13 @@ a noise band measured on the stack under test.
 A P/D answer does not compute what a colocated reference computes: decode
 computes the last prompt token from cached KV through its decode-path kernel,
 the reference inside a whole prefill, and on a GPU the kernels also change
-with the batch. In float32 the difference is invisible; in bfloat16 it moves
-a log-probability by a tenth of a nat or so, enough to flip the reference's
-choice where its two best tokens are that close, even at token 0 (measured:
-issue 25, a healthy bf16 stack left the reference at token 0 where its margin
-was 0.188 nats, over the fixed 0.1 this oracle once assumed). Wrong KV moves
-log-probabilities by nats.
+with the batch. In float32 the difference is invisible (0.002 nats at most
+on the twin); in bfloat16 it moves log-probabilities by up to 0.4 nats (the
+twin: mostly 0, p99 0.19), enough to flip the reference's choice where its
+two best tokens are that close, even at token 0 (issue 25: a healthy bf16
+stack left the reference at token 0 where its margin was 0.188 nats, over
+the fixed 0.1 this oracle once assumed). Wrong KV moves them by nats: token
+0's candidates no longer overlap the reference's.
 
 So the band is measured, not assumed (``calibrate``): P/D answers against
 their references on probe prompts, the largest |Δlogprob| of a candidate
@@ -134,10 +135,13 @@ class Verdict:
     def describe(self) -> str:
         band = f"band {self.band.nats:.3g} nats"
         if self.failure == "diverged":
-            return (
+            said = (
                 f"left the reference at token {self.failed_at}, where its margin "
                 f"was {self.margin:.3f} nats ({band}{', exact' * self.band.exact})"
             )
+            if not self.band.exact and (self.margin or 0.0) <= self.band.nats:
+                said += ", for a token it did not rate within the band"
+            return said
         if self.failure == "moved":
             return (
                 f"log-probability of token {self.failed_at} moved {self.largest:.3f} "

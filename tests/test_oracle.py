@@ -272,7 +272,7 @@ def test_the_bf16_twins_healthy_flips_pass(twin_band: Band, name: str, at: int) 
     assert verdict.ok, verdict.describe()
     assert verdict.flipped_at == at
     assert not judge(reference, answer, Band(0.1, exact=False)).ok
-    # The least band that takes it: its gap and its candidates' moves.
+    # Its shared candidates moved by tenths of a nat: noise, not wrong KV.
     assert verdict.largest < 0.3
 
 
@@ -290,3 +290,5 @@ def test_the_bf16_twins_wrong_kv_fails_at_token_0(twin_band: Band, name: str) ->
             "diverged",
             0,
         ), verdict.describe()
+    if name == "corrupt2":
+        assert "did not rate within the band" in verdict.describe()
