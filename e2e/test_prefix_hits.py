@@ -19,9 +19,9 @@ MAX_TOKENS = 12
 def test_full_prefix_hit_on_decode(stack: Stack) -> None:
     prompt = stack.prompt(80, salt=4000)
     expected = stack.reference_steps(prompt, MAX_TOKENS)
-    first = client.complete(stack.router, prompt, MAX_TOKENS).token_ids
+    first = stack.answer(prompt, MAX_TOKENS)
     before = m.scrape(stack.decode)
-    second = client.complete(stack.router, prompt, MAX_TOKENS).token_ids
+    second = stack.answer(prompt, MAX_TOKENS)
     delta = m.settle(
         stack.decode, before, lambda d: d.total(m.PROMPT_TOKENS_BY_SOURCE) >= 80
     )
@@ -43,7 +43,7 @@ def test_partial_prefix_hit_on_decode(stack: Stack) -> None:
     client.complete(stack.router, shared + stack.prompt(20, salt=4200), MAX_TOKENS)
     prompt = shared + stack.prompt(30, salt=4300)
     expected = stack.reference_steps(prompt, MAX_TOKENS)
-    got = client.complete(stack.router, prompt, MAX_TOKENS).token_ids
+    got = stack.answer(prompt, MAX_TOKENS)
     verdict = stack.judge(expected, got, "partial prefix hit")
     assert verdict.ok, verdict.describe()
 

@@ -11,9 +11,9 @@ loaded every engine request's prompt from prefill.
 
 from __future__ import annotations
 
-from conftest import Stack
+from conftest import TRACE, Stack
 from faults_helpers import counters, transferred
-from pdstack import client, kv_layout
+from pdstack import client, kv_layout, oracle
 from pdstack import metrics as m
 
 MAX_TOKENS = 12
@@ -29,7 +29,10 @@ def test_each_prompt_of_a_batch_is_decoded_from_its_own_kv(
     distinct = {tuple(s.token for s in e) for e in expected}
     assert len(distinct) == 3, "prompts must differ in output"
     before = counters(stack)
-    got = [c.token_ids for c in client.complete_all(stack.router, batch, MAX_TOKENS)]
+    # Judged on log-probabilities, asked for as every judged answer is.
+    done = client.complete_all(stack.router, batch, MAX_TOKENS, **TRACE)
+    assert all(c.top_logprobs is not None for c in done), done
+    got = [oracle.steps(c.token_ids, c.top_logprobs or []) for c in done]
     tokens = sum(kv_layout.tokens_loaded(len(p)) for p in batch)
     # Every engine request's own blocks, not one prompt's KV four times.
     moved = sum(layout.transfer_bytes(kv_layout.tokens_loaded(len(p))) for p in batch)

@@ -226,6 +226,10 @@ ENV_OVERRIDES: dict[str, tuple[str, tuple[str, ...], type]] = {
     "PD_MOONCAKE_PROTOCOL": _extra("mooncake_protocol", str),
     "PD_MOONCAKE_DEVICE": _extra("device_name", str),
     "PD_GPU_MEMORY_UTILIZATION": ("gpu-memory-utilization", (), float),
+    # The model's dtype over the profile's (both roles alike): the CPU twin
+    # served in bfloat16, a GPU stack's numerics, instead of its exact
+    # float32 (issue 25; the e2e suite then judges it in a calibrated band).
+    "PD_DTYPE": ("dtype", (), str),
     # The opt-in KV checksum, on in configs/vllm: 0 runs a stack without it
     # (both roles must agree: set it for prefill and decode alike).
     "PD_MOONCAKE_KV_CHECKSUM": _extra("kv_checksum", bool),

@@ -77,6 +77,17 @@ def test_the_kv_staging_buffer_and_checksum_follow_the_environment(
         config.with_env_overrides({}, {var: bad})
 
 
+def test_the_twin_can_be_served_in_bfloat16() -> None:
+    """PD_DTYPE over the tiny profile's float32 on the CPU twin, both roles."""
+    for role in config.ROLES:
+        base = config.vllm_flags(role, "tiny", "cpu")
+        assert base["dtype"] == "float32"
+        flags = config.with_env_overrides(base, {"PD_DTYPE": "bfloat16"})
+        assert flags["dtype"] == "bfloat16"
+        argv = config.render(flags, {"tiny_target": "t", "tiny_draft": "d"})
+        assert argv[argv.index("--dtype") + 1] == "bfloat16"
+
+
 def test_each_prefill_replica_can_have_its_own_engine_id() -> None:
     base = config.vllm_flags("prefill", "tiny", "gpu")
     assert base["kv-transfer-config"]["engine_id"] == "pd-prefill"
@@ -183,6 +194,7 @@ def test_the_side_channel_port_sits_above_the_bootstrap_port() -> None:
         ("PD_GPU_MEMORY_UTILIZATION", "nan", "> 0 and <= 1"),
         ("PD_MOONCAKE_PROTOCOL", "rdmaa", "one of tcp, rdma"),
         ("PD_MOONCAKE_KV_STAGING_MIB", "-1", ">= 0"),
+        ("PD_DTYPE", "bf16", "one of auto, half"),
     ],
 )
 def test_an_override_out_of_range_names_its_variable(
