@@ -158,6 +158,10 @@ def secret_violations(model: Mapping[str, Any]) -> list[str]:
             problems.append(f"{name}: undefined secrets {sorted(undefined)}")
         files = {s["target"] for s in mounted}
         problems += manifests.secret_env_violations(name, environment(service), files)
+        # vllm-router 0.1.17 relays requests without a key: servers that
+        # required one refused every request on the CPU compose stack.
+        if name in ("prefill", "decode") and "PD_API_KEY_FILE" in environment(service):
+            problems.append(f"{name}: requires an API key the router never presents")
     return problems
 
 
@@ -342,6 +346,7 @@ def test_secret_checker_catches_violations() -> None:
     assert secret_violations(model) == [
         "decode: undefined secrets ['x']",
         "decode: PD_API_KEY_FILE is not a file from a secret",
+        "decode: requires an API key the router never presents",
         "prefill: secret HF_TOKEN as a plain value",
         "router: ROUTER_API_KEY_FILE is not a file from a secret",
     ]

@@ -537,7 +537,6 @@ def _break_secrets(objects: list[Object], found: dict[str, Object]) -> list[str]
     return [
         f"ConfigMap {pd_ports['metadata']['name']}: secret API_KEY in a ConfigMap",
         "decode/vllm: HF_TOKEN_PATH is not a file from a secret",
-        "decode/vllm: PD_API_KEY_FILE is not a file from a secret",
         "prefill/vllm: secret HF_TOKEN as a plain value",
         "router/router: ROUTER_API_KEY_FILE is not a file from a secret",
     ]
