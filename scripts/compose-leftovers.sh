@@ -31,8 +31,10 @@ case "$action" in
       [ -n "$name" ] && [[ " $KEPT " != *" $name "* ]] && left+=("volume $name")
     done < <("$docker" volume ls --filter "$label" --format '{{.Name}}')
     if [ -f "$STATE/dangling.before" ]; then
-      while read -r name; do [ -n "$name" ] && left+=("anonymous volume $name"); done \
-        < <(comm -13 "$STATE/dangling.before" <(dangling))
+      # Unused after `down`, the kept volumes are dangling too: not leftovers.
+      while read -r name; do
+        [ -n "$name" ] && [[ " $KEPT " != *" $name "* ]] && left+=("anonymous volume $name")
+      done < <(comm -13 "$STATE/dangling.before" <(dangling))
     fi
     if [ ${#left[@]} -gt 0 ]; then
       echo "compose-leftovers: the stack left behind:" >&2
