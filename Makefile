@@ -257,7 +257,8 @@ down: ## Stop and remove the compose stack (the model cache volume stays)
 E2E_ROUTER_URL ?= http://localhost:$(ROUTER_PORT)
 E2E_PREFILL_URL ?= http://localhost:$(PREFILL_PORT)
 E2E_DECODE_URL ?= http://localhost:$(DECODE_PORT)
-# The suite's near-tie epsilon against a running stack (pdstack/oracle.py).
+# 0: every token must equal the reference's (a batch-invariant stack);
+# otherwise the floor of the noise band pdstack/oracle.py calibrates on the stack.
 E2E_NEAR_TIE_EPSILON ?= $(if $(filter 1,$(PD_BATCH_INVARIANT)),0,0.1)
 # Decode's fault switch as this host sees it (docker/compose.e2e.yaml mounts
 # its directory into decode).
