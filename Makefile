@@ -176,6 +176,13 @@ test-compat: install ## The plugin on vLLM 0.19.1 (own venv) and 0.33.0 (its sou
 	  PYTHONPATH=$$src033:plugin/src $(PY) -m pytest \
 	  $(patsubst %,plugin/tests/%.py,$(COMPAT_033_UNIT)) $(PYTEST_ARGS)
 
+# The plugin's patch queue (pd_mooncake/fixes_report.py): fails if a fix
+# neither attaches to a release nor is made unnecessary by it.
+.PHONY: fixes-report
+fixes-report: install ## Which plugin fixes attach to the installed vLLM and 0.33.0, which are no longer needed, and why
+	src033=$$(PIP=$(VENV)/bin/pip scripts/compat-venv.sh source vllm-0.33 requirements/compat-0.33.txt); \
+	  PYTHONPATH=plugin/src $(PY) -m pd_mooncake.fixes --report --source $$src033
+
 # --- The compose stack: the images and `docker compose` (docs/gpu.md) -------
 # TARGET=cpu: the same stack on a host without a GPU (docker/compose.cpu.yaml,
 # the CPU serving image). Docker itself: scripts/docker-engine.sh.
