@@ -285,9 +285,14 @@ FIXES: tuple[Fix, ...] = (
                 True,
             ),
             Method(WORKER, "_handle_failed_recv", ("pull_metas", "req_ids", "reason")),
-            # The probe fails the requests still in the pull_metas it passed
-            # upstream; a pull that settles a copy would be settled twice.
-            Calls(WORKER, "receive_kv_from_single_worker", "pull_metas.copy", True),
+            Method(WORKER, "process_pulling_result", ("response", "pull_metas")),
+            # The probe fails the requests upstream's pull still owes, read from
+            # the dict upstream settles from, which the pull hands to these two
+            # (pd_mooncake.pull._Settling: 0.33 settles a copy of pull_metas).
+            Calls(
+                WORKER, "receive_kv_from_single_worker", "self.process_pulling_result"
+            ),
+            Calls(WORKER, "receive_kv_from_single_worker", "self._handle_failed_recv"),
             Attr("PullReqMeta", "remote_bootstrap_addr"),
             Attr("PullReqMeta", "remote_engine_id"),
             # A re-created prefill's engine id is dropped from upstream's
