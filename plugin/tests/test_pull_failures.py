@@ -288,9 +288,11 @@ def test_a_dead_prefill_fails_only_the_pulls_still_outstanding(
 # peer's pull from a copy of pull_metas, 0.32 from pull_metas itself.
 
 
-def pulls_from(port: int, count: int) -> dict[str, upstream.PullReqMeta]:
-    """Decode's pull of ``count`` requests (two blocks each) from one prefill
-    worker (upstream receive_kv sets pull_tasks_count to the peers' number)."""
+def pulls_from(
+    port: int, count: int, peers: int = 1
+) -> dict[str, upstream.PullReqMeta]:
+    """Decode's pull of ``count`` requests (two blocks each) from ``peers``
+    prefill workers (upstream receive_kv sets pull_tasks_count to that)."""
     metas = {}
     for i in range(count):
         meta = upstream.PullReqMeta(
@@ -300,7 +302,7 @@ def pulls_from(port: int, count: int) -> dict[str, upstream.PullReqMeta]:
             remote_engine_id="pd-prefill",
             remote_bootstrap_addr=f"http://127.0.0.1:{port}",
         )
-        meta.pull_tasks_count = 1
+        meta.pull_tasks_count = peers
         metas[meta.d_req_id] = meta
     return metas
 
@@ -351,6 +353,51 @@ def test_a_dead_prefill_settles_each_request_once(bootstrap: socket.socket) -> N
     assert getattr(pulls["req-0"], LOADED, False)
     assert not pulls["req-0"].failed
     assert list(pulls) == ["req-0", "req-1", "req-2"]
+
+
+def test_with_two_prefill_workers_a_dead_one_settles_its_part_once(
+    bootstrap: socket.socket,
+) -> None:
+    """The same death with two prefill workers (prefill TP2): only the dead
+    worker's pull runs here, so each request must keep the other worker's
+    part to settle (pull_tasks_count 1 on 0.33, which counts failures down;
+    0.32 counts only loads). A second settlement by the dead worker's pull
+    would count it to 0 and report it finished while the other worker may
+    still write into its blocks."""
+    port = bootstrap.getsockname()[1]
+    worker = decode_worker(interval=0.2)
+    pulls = pulls_from(port, 3, peers=2)
+
+    async def scenario() -> None:
+        prefill = ScriptedSideChannel(worker.async_zmq_ctx, ["req-0"], failed=["req-1"])
+        serving = asyncio.ensure_future(prefill.serve())
+        pull = asyncio.ensure_future(
+            worker.receive_kv_from_single_worker(
+                f"tcp://127.0.0.1:{prefill.port}", pulls
+            )
+        )
+        await asyncio.wait_for(prefill.answered.wait(), DEADLINE_S)
+        await until(
+            lambda: pulls["req-0"].pull_tasks_count == 1, DEADLINE_S, "CONTINUE"
+        )
+        bootstrap.close()
+        await asyncio.wait_for(pull, DEADLINE_S)
+        serving.cancel()
+        prefill.sock.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 3 * DEADLINE_S))
+    finally:
+        worker.async_zmq_ctx.destroy(linger=0)
+    counts = {r: m.pull_tasks_count for r, m in pulls.items()}
+    print(f"left to settle {counts}, finished {worker.finished_recving_reqs}")
+    assert all(count >= 1 for count in counts.values())
+    assert list(pulls) == ["req-0", "req-1", "req-2"]
+    if hasattr(upstream.MooncakeConnectorWorker, "_complete_pull_task"):
+        # 0.33: a request is reported once every worker settled its part;
+        # 0.32 reports a failure at once (its own bookkeeping, unchanged).
+        assert worker.finished_recving_reqs == set()
+        assert not pulls["req-0"].failed
 
 
 def test_a_finished_pull_marks_every_request_loaded(bootstrap: socket.socket) -> None:
