@@ -155,16 +155,17 @@ test: install lint ## Everything CI runs: unit tests, then the e2e suite on the 
 # real two-process transfer, in-process (no CPU MLA backend there). vLLM
 # 0.33.0: its source (the wheel is the CUDA build) for the contract test.
 # Both cached by their pin files (scripts/compat-venv.sh).
-# Fixes that do not attach to 0.33.0 (its register_kv_caches stores more; its
-# pull settles a copy of pull_metas): the contract test expects exactly these.
-COMPAT_033_MISSING ?= registration_backport,dead_prefill_probe
+# Fixes that do not attach to 0.33.0 (its register_kv_caches stores more; it
+# has PR 39596, so the backport is not needed there: make fixes-report): the
+# contract test expects exactly these.
+COMPAT_033_MISSING ?= registration_backport
 # The plugin's unit tests that pass with 0.33.0's Python source ahead of the
 # installed 0.32 (its wheel is the CUDA build: no vllm._C, no CPU platform).
 # The others exercise 0.32's connector internals (registration state, stats
 # keys, the pull's bookkeeping) or its compiled CPU attention kernels; run on
 # 0.33 they fail for that reason (docs/gpu.md).
-COMPAT_033_UNIT ?= test_extra_config test_faults test_metric_families test_reliability \
-  test_send_deadline test_tcp_limits
+COMPAT_033_UNIT ?= test_extra_config test_faults test_metric_families test_pull_failures \
+  test_reliability test_send_deadline test_tcp_limits
 
 .PHONY: test-compat
 test-compat: install ## The plugin on vLLM 0.19.1 (own venv) and 0.33.0 (its source), cached
@@ -172,9 +173,17 @@ test-compat: install ## The plugin on vLLM 0.19.1 (own venv) and 0.33.0 (its sou
 	  PYTHONPATH=plugin/src $$v019/bin/python -m pytest plugin/tests/test_vllm019.py $(PYTEST_ARGS)
 	src033=$$(PIP=$(VENV)/bin/pip scripts/compat-venv.sh source vllm-0.33 requirements/compat-0.33.txt); \
 	  PD_MOONCAKE_VLLM_SOURCE=$$src033 PD_MOONCAKE_EXPECT_MISSING=$(COMPAT_033_MISSING) \
-	  $(PY) -m pytest plugin/tests/test_contract.py $(PYTEST_ARGS) && \
+	  $(PY) -m pytest plugin/tests/test_contract.py plugin/tests/test_fixes_report.py \
+	  $(PYTEST_ARGS) && \
 	  PYTHONPATH=$$src033:plugin/src $(PY) -m pytest \
 	  $(patsubst %,plugin/tests/%.py,$(COMPAT_033_UNIT)) $(PYTEST_ARGS)
+
+# The plugin's patch queue (pd_mooncake/fixes_report.py): fails if a fix
+# neither attaches to a release nor is made unnecessary by it.
+.PHONY: fixes-report
+fixes-report: install ## Which plugin fixes attach to the installed vLLM and 0.33.0, which are no longer needed, and why
+	src033=$$(PIP=$(VENV)/bin/pip scripts/compat-venv.sh source vllm-0.33 requirements/compat-0.33.txt); \
+	  PYTHONPATH=plugin/src $(PY) -m pd_mooncake.fixes --report --source $$src033
 
 # --- The compose stack: the images and `docker compose` (docs/gpu.md) -------
 # TARGET=cpu: the same stack on a host without a GPU (docker/compose.cpu.yaml,

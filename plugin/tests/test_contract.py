@@ -34,12 +34,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
 from conftest import kv_cache_config
 from pd_mooncake import CONNECTOR_NAME, cpu_support, fixes, metrics, reliability
 from pd_mooncake.connector import PDMooncakeConnector, PDMooncakeConnectorWorker
+from pd_mooncake.fixes_report import view_of
+from pd_mooncake.upstream_source import BASE_FILE, CONNECTOR_FILE
 
 SOURCE_ENV = "PD_MOONCAKE_VLLM_SOURCE"
-CONNECTOR_FILE = (
-    "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py"
-)
-BASE_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 INSTALLED = Path(upstream.__file__).parents[6]  # the directory holding vllm/
 
 
@@ -50,12 +48,6 @@ def other_release() -> Path:
     if not (Path(root) / CONNECTOR_FILE).is_file():
         pytest.skip(f"{SOURCE_ENV}={root} has no {CONNECTOR_FILE}")
     return Path(root)
-
-
-def view_of(root: Path) -> fixes.SourceView:
-    return fixes.SourceView(
-        (root / CONNECTOR_FILE).read_text(), (root / BASE_FILE).read_text()
-    )
 
 
 @pytest.fixture(params=["installed", "other"])

@@ -16,6 +16,7 @@ produced on demand with a real prefill engine in a unit test.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 import time
@@ -36,6 +37,7 @@ from conftest import REGISTRATION_STATE, pull_worker
 from conftest import timed_pull as conftest_timed_pull
 from pd_mooncake import reliability
 from pd_mooncake.connector import PDMooncakeConnectorWorker
+from pd_mooncake.pull import LOADED
 
 MODEL_DIRS = sorted(
     Path.home().glob(".cache/pd-mooncake/models/pd-tiny-dsv2-eagle3-*/target")
@@ -159,6 +161,8 @@ def decode_worker(interval: float) -> PDMooncakeConnectorWorker:
     worker.tp_size, worker.tp_rank, worker.pp_size = 1, 0, 1
     for name in REGISTRATION_STATE:
         setattr(worker, name, [])
+    # vLLM 0.33's layout exchange: 0 is no layout id (the layout is sent).
+    worker._kv_layout_id, worker._acked_layout_peers = 0, set()
     worker.async_zmq_ctx = zmq.asyncio.Context()
     worker._encoder = msgspec.msgpack.Encoder()
     worker._xfer_resp_decoder = msgspec.msgpack.Decoder(upstream.MooncakeXferResponse)
@@ -166,20 +170,32 @@ def decode_worker(interval: float) -> PDMooncakeConnectorWorker:
 
 
 class ScriptedSideChannel:
-    """Prefill's side channel: answers one CONTINUE for ``ready`` requests,
-    then never again (the process died with the rest)."""
+    """Prefill's side channel: answers once (CONTINUE unless ``status``) with
+    ``ready`` requests sent and ``failed`` ones failed, then never again (the
+    process died with the rest)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, ready: list[str]) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        ready: list[str],
+        failed: list[str] | None = None,
+        status: Any = upstream.MooncakeXferResponseStatus.CONTINUE,
+    ) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.ready = ready
+        self.failed = failed
+        self.status = status
         self.answered = asyncio.Event()
 
     async def serve(self) -> None:
         identity, _ = await self.sock.recv_multipart()
         response = upstream.MooncakeXferResponse(
-            status=upstream.MooncakeXferResponseStatus.CONTINUE, ok_reqs=self.ready
+            status=self.status,
+            ok_reqs=self.ready,
+            err_reqs=self.failed,
+            err_msg="scripted failure" if self.failed else None,
         )
         await self.sock.send_multipart(
             [identity, msgspec.msgpack.Encoder().encode(response)]
@@ -265,6 +281,156 @@ def test_a_dead_prefill_fails_only_the_pulls_still_outstanding(
     assert requests[1].status == RequestStatus.RUNNING
     assert requests[1].num_computed_tokens > PROMPT_TOKENS - 1
     assert worker.xfer_stats.data["num_failed_recvs"] == [1]  # req-2 only
+
+
+# -- the pull's own bookkeeping, without vLLM's scheduler ------------------------
+# These run on vLLM 0.33.0's source too (make test-compat): 0.33 settles each
+# peer's pull from a copy of pull_metas, 0.32 from pull_metas itself.
+
+
+def pulls_from(
+    port: int, count: int, peers: int = 1
+) -> dict[str, upstream.PullReqMeta]:
+    """Decode's pull of ``count`` requests (two blocks each) from ``peers``
+    prefill workers (upstream receive_kv sets pull_tasks_count to that)."""
+    metas = {}
+    for i in range(count):
+        meta = upstream.PullReqMeta(
+            d_req_id=f"req-{i}",
+            transfer_id=f"xfer-{i}",
+            local_block_ids=[[2 * i + 1, 2 * i + 2]],
+            remote_engine_id="pd-prefill",
+            remote_bootstrap_addr=f"http://127.0.0.1:{port}",
+        )
+        meta.pull_tasks_count = peers
+        metas[meta.d_req_id] = meta
+    return metas
+
+
+def test_a_dead_prefill_settles_each_request_once(bootstrap: socket.socket) -> None:
+    """Prefill answers req-0 loaded and req-1 failed in one CONTINUE, then
+    dies; req-2's KV never comes. Each request is reported finished exactly
+    once (a second report of req-1, after an engine step took the first, is
+    what 0.33's copy turns the probe's old bookkeeping into), only the failed
+    ones' blocks are invalid, req-0 carries the loaded mark the staging span's
+    release reads, and the pull_metas every peer shares keeps its requests."""
+    port = bootstrap.getsockname()[1]
+    worker = decode_worker(interval=0.2)
+    pulls = pulls_from(port, 3)
+    reported: collections.Counter[str] = collections.Counter()
+
+    async def scenario() -> None:
+        prefill = ScriptedSideChannel(worker.async_zmq_ctx, ["req-0"], failed=["req-1"])
+        serving = asyncio.ensure_future(prefill.serve())
+        pull = asyncio.ensure_future(
+            worker.receive_kv_from_single_worker(
+                f"tcp://127.0.0.1:{prefill.port}", pulls
+            )
+        )
+        await asyncio.wait_for(prefill.answered.wait(), DEADLINE_S)
+        await until(
+            lambda: worker.finished_recving_reqs == {"req-0", "req-1"},
+            DEADLINE_S,
+            "CONTINUE processed",
+        )
+        # An engine step takes the report.
+        reported.update(worker.finished_recving_reqs)
+        worker.finished_recving_reqs = set()
+        bootstrap.close()  # prefill dies
+        await asyncio.wait_for(pull, DEADLINE_S)
+        reported.update(worker.finished_recving_reqs)
+        serving.cancel()
+        prefill.sock.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 3 * DEADLINE_S))
+    finally:
+        worker.async_zmq_ctx.destroy(linger=0)
+    invalid = set().union(*worker._invalid_block_ids.queue)
+    print(f"reported finished {dict(reported)}, invalid blocks {sorted(invalid)}")
+    assert reported == {"req-0": 1, "req-1": 1, "req-2": 1}
+    assert invalid == {3, 4, 5, 6}  # req-1's and req-2's, never req-0's
+    assert getattr(pulls["req-0"], LOADED, False)
+    assert not pulls["req-0"].failed
+    assert list(pulls) == ["req-0", "req-1", "req-2"]
+
+
+def test_with_two_prefill_workers_a_dead_one_settles_its_part_once(
+    bootstrap: socket.socket,
+) -> None:
+    """The same death with two prefill workers (prefill TP2): only the dead
+    worker's pull runs here, so each request must keep the other worker's
+    part to settle (pull_tasks_count 1 on 0.33, which counts failures down;
+    0.32 counts only loads). A second settlement by the dead worker's pull
+    would count it to 0 and report it finished while the other worker may
+    still write into its blocks."""
+    port = bootstrap.getsockname()[1]
+    worker = decode_worker(interval=0.2)
+    pulls = pulls_from(port, 3, peers=2)
+
+    async def scenario() -> None:
+        prefill = ScriptedSideChannel(worker.async_zmq_ctx, ["req-0"], failed=["req-1"])
+        serving = asyncio.ensure_future(prefill.serve())
+        pull = asyncio.ensure_future(
+            worker.receive_kv_from_single_worker(
+                f"tcp://127.0.0.1:{prefill.port}", pulls
+            )
+        )
+        await asyncio.wait_for(prefill.answered.wait(), DEADLINE_S)
+        await until(
+            lambda: pulls["req-0"].pull_tasks_count == 1, DEADLINE_S, "CONTINUE"
+        )
+        bootstrap.close()
+        await asyncio.wait_for(pull, DEADLINE_S)
+        serving.cancel()
+        prefill.sock.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 3 * DEADLINE_S))
+    finally:
+        worker.async_zmq_ctx.destroy(linger=0)
+    counts = {r: m.pull_tasks_count for r, m in pulls.items()}
+    print(f"left to settle {counts}, finished {worker.finished_recving_reqs}")
+    assert all(count >= 1 for count in counts.values())
+    assert list(pulls) == ["req-0", "req-1", "req-2"]
+    if hasattr(upstream.MooncakeConnectorWorker, "_complete_pull_task"):
+        # 0.33: a request is reported once every worker settled its part;
+        # 0.32 reports a failure at once (its own bookkeeping, unchanged).
+        assert worker.finished_recving_reqs == set()
+        assert not pulls["req-0"].failed
+
+
+def test_a_finished_pull_marks_every_request_loaded(bootstrap: socket.socket) -> None:
+    """The marks reach the PullReqMeta objects decode's pull was given (0.33's
+    copy of pull_metas is shallow): with every request loaded the staging
+    span is released at once, not held back as after a failure."""
+    port = bootstrap.getsockname()[1]
+    worker = decode_worker(interval=0.2)
+    pulls = pulls_from(port, 2)
+
+    async def scenario() -> None:
+        prefill = ScriptedSideChannel(
+            worker.async_zmq_ctx,
+            ["req-0", "req-1"],
+            status=upstream.MooncakeXferResponseStatus.FINISH,
+        )
+        serving = asyncio.ensure_future(prefill.serve())
+        await asyncio.wait_for(
+            worker.receive_kv_from_single_worker(
+                f"tcp://127.0.0.1:{prefill.port}", pulls
+            ),
+            DEADLINE_S,
+        )
+        serving.cancel()
+        prefill.sock.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 3 * DEADLINE_S))
+    finally:
+        worker.async_zmq_ctx.destroy(linger=0)
+    assert worker.finished_recving_reqs == {"req-0", "req-1"}
+    assert worker._invalid_block_ids.empty()
+    assert all(getattr(m, LOADED, False) for m in pulls.values())
 
 
 # -- a gone prefill host, not only a refusing port ----------------------------

@@ -10,6 +10,11 @@ never imported: the contract test runs the same check on a release that is not
 installed), reported in one log line, and a fix the configuration relies on
 that cannot attach stops start-up unless ``PD_MOONCAKE_ALLOW_MISSING_FIXES``
 names it (or is ``all``).
+
+The table is also a patch queue: each fix names the upstream issue or PR it
+answers and when it can be deleted; ``python -m pd_mooncake.fixes --report``
+(``make fixes-report``, pd_mooncake.fixes_report) prints, per vLLM release,
+which fixes attach and which upstream has made unnecessary.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import functools
 import inspect
 import logging
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +90,14 @@ class Fix:
     # Another upstream shape the fix attaches to as well (e.g. a release
     # from before the code it works around changed): met if either is.
     or_needs: tuple[Need, ...] = ()
+    # The patch queue. What upstream lacks: the issue or PR, or the upstream
+    # code, the fix answers (a feature says so).
+    answers: str = field(kw_only=True)
+    # When it can be deleted: a release that has X.
+    retire_when: str = field(kw_only=True)
+    # Upstream code that shows X is there, read like ``needs``: all met ->
+    # the fix is no longer needed on that release (empty: not detectable).
+    retired_by: tuple[Need, ...] = field(default=(), kw_only=True)
 
 
 def _liveness_on(extra: Mapping[str, Any], producer: bool, consumer: bool) -> bool:
@@ -151,6 +165,11 @@ FIXES: tuple[Fix, ...] = (
             Method(CONNECTOR, "__init__", ("vllm_config", "role", "kv_cache_config")),
             Calls(CONNECTOR, "__init__", WORKER),
         ),
+        answers="upstream's MooncakeConnector builds MooncakeConnectorWorker by its "
+        "module-global name and offers no worker-class option (this fix swaps the "
+        "name during construction; it only carries the worker-side fixes)",
+        retire_when="every worker-side fix below is retired, or a release whose "
+        "connector takes a worker class",
     ),
     Fix(
         "registration_backport",
@@ -176,6 +195,12 @@ FIXES: tuple[Fix, ...] = (
             Calls(WORKER, "register_kv_caches", "self.engine.batch_register_memory"),
             StoresOnly(WORKER, "register_kv_caches", LEGACY_BACKPORT_SETS),
         ),
+        answers="vllm PR 39596 ([Mooncake] Fix mixed MLA+Eagle block-size "
+        "validation): before it an MLA target with a GQA Eagle draft dies on "
+        "register_kv_caches' block-size assertion",
+        retire_when="the oldest vLLM the plugin supports has PR 39596 (vLLM >= 0.20; "
+        "kept for 0.19.x)",
+        retired_by=(Method(WORKER, "_sync_block_size_with_kernel", ()),),
     ),
     Fix(
         "send_retry",
@@ -192,6 +217,11 @@ FIXES: tuple[Fix, ...] = (
             Attr(WORKER, "xfer_stats"),
         ),
         lambda extra, producer, consumer: producer,
+        answers="kvcache-ai/Mooncake#4209 (a TCP transfer stalls until a new "
+        "submission); upstream's _send_blocks waits out one synchronous batch "
+        "(30 s) and fails the request",
+        retire_when="the Mooncake the images pin has #4209's fix, or a vLLM whose "
+        "_send_blocks resubmits a stalled batch itself",
     ),
     Fix(
         # send_deadline.SendTimeouts / StampedQueue / SessionExecutor: no send
@@ -209,6 +239,11 @@ FIXES: tuple[Fix, ...] = (
             Calls(WORKER, "send_kv_to_decode", "self.sender_loop.run_in_executor"),
         ),
         lambda extra, producer, consumer: producer,
+        answers="no upstream issue found (vLLM issues searched 2026-12-02): "
+        "upstream's sends share one executor, so one silent decode holds the "
+        "threads a healthy decode needs, and a send may outlive decode's wait",
+        retire_when="a vLLM whose sends are bounded by decode's wait and kept apart "
+        "per decode session",
     ),
     Fix(
         "rejection_release",
@@ -221,6 +256,12 @@ FIXES: tuple[Fix, ...] = (
             Attr("SendBlockMeta", "sending"),
         ),
         lambda extra, producer, consumer: producer,
+        answers="vllm PR 41269's rejection notice (decode asks with no blocks under "
+        "the API request's transfer id) names the API request; with per-engine-"
+        "request ids (sibling_transfer_ids) upstream frees none of its siblings' "
+        "sends, which keep prefill's blocks until the abort timeout",
+        retire_when="sibling_transfer_ids is retired (a vLLM that derives an id per "
+        "engine request frees them itself)",
     ),
     Fix(
         "not_processed_guard",
@@ -229,6 +270,10 @@ FIXES: tuple[Fix, ...] = (
             Attr("MooncakeConnectorMetadata", "reqs_not_processed"),
         ),
         lambda extra, producer, consumer: producer,
+        answers="no upstream issue found: upstream's record_send_reqs pops each "
+        "'not processed' transfer id without a default, so one id it never "
+        "registered raises KeyError and stops the rest of the batch",
+        retire_when="a vLLM whose record_send_reqs skips unknown 'not processed' ids",
     ),
     Fix(
         "dead_prefill_probe",
@@ -240,9 +285,14 @@ FIXES: tuple[Fix, ...] = (
                 True,
             ),
             Method(WORKER, "_handle_failed_recv", ("pull_metas", "req_ids", "reason")),
-            # The probe fails the requests still in the pull_metas it passed
-            # upstream; a pull that settles a copy would be settled twice.
-            Calls(WORKER, "receive_kv_from_single_worker", "pull_metas.copy", True),
+            Method(WORKER, "process_pulling_result", ("response", "pull_metas")),
+            # The probe fails the requests upstream's pull still owes, read from
+            # the dict upstream settles from, which the pull hands to these two
+            # (pd_mooncake.pull._Settling: 0.33 settles a copy of pull_metas).
+            Calls(
+                WORKER, "receive_kv_from_single_worker", "self.process_pulling_result"
+            ),
+            Calls(WORKER, "receive_kv_from_single_worker", "self._handle_failed_recv"),
             Attr("PullReqMeta", "remote_bootstrap_addr"),
             Attr("PullReqMeta", "remote_engine_id"),
             # A re-created prefill's engine id is dropped from upstream's
@@ -250,6 +300,11 @@ FIXES: tuple[Fix, ...] = (
             Attr(WORKER, "_remote_agents"),
         ),
         _liveness_on,
+        answers="vllm#35943 and vllm#55870 (both open): a pull from a dead or "
+        "restarted prefill waits VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s "
+        "(540 s) in WAITING_FOR_REMOTE_KVS",
+        retire_when="a vLLM that fails a pending pull when its prefill's bootstrap "
+        "server refuses or re-registers the engine (vllm#35943 closed by a fix)",
     ),
     Fix(
         "fixed_side_channel",
@@ -263,6 +318,10 @@ FIXES: tuple[Fix, ...] = (
             Method("", "get_mooncake_bootstrap_addr", ("vllm_config",)),
         ),
         lambda extra, producer, consumer: bool(extra.get("side_channel_port_offset")),
+        answers="no upstream issue found: upstream binds the side channel with "
+        "bind_to_random_port, so a restarted prefill is unreachable at the address "
+        "decode cached",
+        retire_when="a vLLM whose side-channel port is configurable per rank",
     ),
     Fix(
         "sibling_transfer_ids",
@@ -278,6 +337,11 @@ FIXES: tuple[Fix, ...] = (
             Method(CONNECTOR, "update_connector_output", ("connector_output",)),
             Attr(CONNECTOR, "connector_scheduler"),
         ),
+        answers="no upstream issue found: the engine requests of one API request "
+        "(n > 1 children, batch prompts) share the router's transfer_id, so a "
+        "batch's second prompt decodes from the first's KV",
+        retire_when="a vLLM (or router) that gives each engine request its own "
+        "transfer id, the same on both legs",
     ),
     Fix(
         # pd_mooncake.checksum: prefill's digests ride on its answer, decode
@@ -332,6 +396,9 @@ FIXES: tuple[Fix, ...] = (
             Attr("PullReqMeta", "failed"),
         ),
         _checksum_on,
+        answers="a feature upstream lacks (no vLLM issue): nothing checks the KV "
+        "decode received against what prefill sent",
+        retire_when="a vLLM whose connector verifies received KV itself",
     ),
     Fix(
         # pd_mooncake.staging: decode offers a span in its pull, prefill
@@ -372,6 +439,11 @@ FIXES: tuple[Fix, ...] = (
             Attr("PullReqMeta", "local_block_ids"),
         ),
         _staging_on,
+        answers="a feature upstream lacks (no vLLM issue): one Mooncake descriptor "
+        "per block run and region, and Mooncake's TCP transport pays per "
+        "descriptor",
+        retire_when="a vLLM that coalesces a pull's blocks into few descriptors, or "
+        "a Mooncake TCP transport without the per-descriptor cost",
     ),
     Fix(
         "received_kv_fault",
@@ -382,6 +454,9 @@ FIXES: tuple[Fix, ...] = (
             Attr("PullReqMeta", "local_block_ids"),
         ),
         _fault_on,
+        answers="not a fix: the fault suite's hook (pd_mooncake.faults) that "
+        "corrupts received KV on purpose",
+        retire_when="the fault suite no longer needs it",
     ),
 )
 
@@ -390,6 +465,8 @@ FIXES: tuple[Fix, ...] = (
 class Report:
     attached: tuple[str, ...]
     missing: dict[str, list[str]]  # fix -> problems
+    # Fixes whose retired_by upstream code is there (attached or not).
+    retired: tuple[str, ...] = ()
 
     def line(self) -> str:
         text = f"PD Mooncake fixes attached: {', '.join(self.attached) or 'none'}"
@@ -402,8 +479,10 @@ class Report:
 
 
 def check(view: SourceView, fixes: tuple[Fix, ...] = FIXES) -> Report:
-    attached, missing = [], {}
+    attached, missing, retired = [], {}, []
     for fix in fixes:
+        if fix.retired_by and not any(map(view.problem, fix.retired_by)):
+            retired.append(fix.name)
         problems = [p for p in map(view.problem, fix.needs) if p is not None]
         if problems and fix.or_needs:
             other = [p for p in map(view.problem, fix.or_needs) if p is not None]
@@ -413,7 +492,7 @@ def check(view: SourceView, fixes: tuple[Fix, ...] = FIXES) -> Report:
             missing[fix.name] = problems
         else:
             attached.append(fix.name)
-    return Report(tuple(attached), missing)
+    return Report(tuple(attached), missing, tuple(retired))
 
 
 @functools.cache
@@ -470,3 +549,9 @@ def enforce(
             f"or set {ALLOW_ENV}={','.join(needed)} to start without them."
         )
     return report
+
+
+if __name__ == "__main__":
+    from pd_mooncake import fixes_report
+
+    sys.exit(fixes_report.main())

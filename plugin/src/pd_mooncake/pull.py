@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from pd_mooncake import faults, reliability, staging
@@ -18,6 +20,30 @@ LOADED = "pd_loaded"
 
 def _loaded(meta: Any) -> bool:
     return bool(getattr(meta, LOADED, False))
+
+
+@dataclass
+class _Settling:
+    """The dict of a pull's requests upstream settles from, as upstream hands
+    it to the overrides it calls (process_pulling_result, _handle_failed_recv).
+    vLLM 0.32 settles the pull_metas it was given, by flags (``failed``, the
+    count), and keeps every request in it. vLLM 0.33 settles a copy
+    (mooncake_connector.py, MooncakeConnectorWorker.receive_kv_from_single_worker:
+    ``pull_metas = pull_metas.copy()``, "each peer settles its own requests")
+    and pops each request from it once this peer has settled it
+    (process_pulling_result, _handle_failed_recv): only that copy says which
+    requests this peer still owes, and settling one twice counts its
+    pull_tasks_count down twice (_complete_pull_task)."""
+
+    metas: dict | None = None
+
+
+SETTLING: ContextVar[_Settling | None] = ContextVar("pd_settling", default=None)
+
+
+def _settling_from(pull_metas: dict) -> None:
+    if (settling := SETTLING.get()) is not None:
+        settling.metas = pull_metas
 
 
 class PullWorker:
@@ -32,9 +58,11 @@ class PullWorker:
         if a write may still land, when the pull is over)."""
         offer = self._staging_offer(pull_metas)
         staging.OFFER.set(offer)
+        settling = SETTLING.set(_Settling())
         try:
             await self._pull_while_alive(worker_addr, pull_metas)
         finally:
+            SETTLING.reset(settling)
             loaded = all(_loaded(m) for m in pull_metas.values())
             self._staging_close(offer, loaded)
 
@@ -75,11 +103,18 @@ class PullWorker:
         pull.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pull
-        # Only what is still outstanding: a request an earlier CONTINUE
-        # completed is already loaded and reported finished.
+        # Only what this peer still owes, from the dict upstream settles
+        # from (_Settling; a private copy if upstream settled nothing yet, so
+        # that 0.33's pops never touch the pull_metas other peers share): a
+        # request an earlier CONTINUE completed is already loaded and
+        # reported finished, one upstream already failed is failed once.
+        settling = SETTLING.get()
+        owed = settling.metas if settling is not None else None
+        if owed is None:
+            owed = dict(pull_metas)
         self._handle_failed_recv(
-            pull_metas,
-            [r for r, m in pull_metas.items() if not _loaded(m)],
+            owed,
+            [r for r, m in owed.items() if not _loaded(m)],
             f"prefill gone or moved: its bootstrap server {bootstrap} {reason}",
         )
 
@@ -90,12 +125,14 @@ class PullWorker:
         # their blocks would be reported invalid and they finished a second
         # time, which fails or recomputes a correct load, or trips the
         # scheduler's `assert req_id in self.requests` once it moved on.
+        _settling_from(pull_metas)
         outstanding = [r for r in req_ids if not _loaded(pull_metas.get(r))]
         if (offer := staging.OFFER.get()) is not None:
             offer.clean = False
         super()._handle_failed_recv(pull_metas, outstanding, reason)
 
     def process_pulling_result(self, response: Any, pull_metas: dict) -> None:
+        _settling_from(pull_metas)
         try:
             self._staging_scatter(response)
         except ValueError as exc:
@@ -108,9 +145,13 @@ class PullWorker:
         self._verify_kv_digests(response, pull_metas)
         if fault == faults.CORRUPT_CHECKED_KV:
             self._corrupt(response, pull_metas)
+        # Looked up before upstream settles them: 0.33 pops each from its copy
+        # of pull_metas (_Settling). The copy is shallow (dict.copy()): the
+        # PullReqMeta objects, and so the marker, are the ones every peer's
+        # pull and the wrapper's staging close read.
+        answered = [pull_metas.get(r) for r in response.ok_reqs or ()]
         super().process_pulling_result(response, pull_metas)
-        for req_id in response.ok_reqs or ():
-            meta = pull_metas.get(req_id)
+        for meta in answered:
             # Upstream reports a request finished when its last worker's part
             # arrives (pull_tasks_count 0), unless it failed first.
             if meta is not None and not meta.failed and meta.pull_tasks_count <= 0:

@@ -7,6 +7,12 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+# The modules a SourceView reads, relative to the directory holding vllm/.
+CONNECTOR_FILE = (
+    "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py"
+)
+BASE_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
+
 
 @dataclass(frozen=True)
 class Method:
