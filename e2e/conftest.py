@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -349,6 +350,11 @@ def layout(stack: Stack, request: pytest.FixtureRequest) -> kv_layout.KVLayout:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # The fault cases' figures, whatever the outcome (captured output is not).
+    if (faults := sys.modules.get("faults_helpers")) and (rows := faults.table()):
+        terminalreporter.write_line("[faults] results")
+        for row in rows:
+            terminalreporter.write_line(row)
     if not JUDGED:
         return
     band = JUDGED[0][1].band

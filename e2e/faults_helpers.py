@@ -92,18 +92,23 @@ def record(
         print(detail)
 
 
-def print_table() -> None:
+def table() -> list[str]:
+    """The cases' rows as a Markdown table (none if no case ran)."""
     if not RESULTS:
-        return
+        return []
     lines = ["| case | sent | unexpected | slowest terminal (s) | leaks |"]
     lines.append("| --- | --- | --- | --- | --- |")
-    lines += [
+    return lines + [
         f"| {r['case']} | {r['sent']} | {r['failed']} | {r['terminal_s']} | "
         f"{r['leaks']} |"
         for r in RESULTS
     ]
-    print("\n[faults] results\n" + "\n".join(lines), flush=True)
-    if RUN_DIR.exists():
+
+
+def print_table() -> None:
+    """Saved as RUN_DIR/results.json; conftest shows the table at the end."""
+    if RESULTS:
+        RUN_DIR.mkdir(parents=True, exist_ok=True)
         (RUN_DIR / "results.json").write_text(json.dumps(RESULTS, indent=1))
 
 
