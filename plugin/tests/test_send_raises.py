@@ -5,11 +5,12 @@ before ``_send_blocks`` and uncounts it only on its normal path
 (mooncake_connector.py), and its expiry frees a request's blocks only while
 that count is 0 (``fetch_finished_sending_reqs``). The plugin's additions
 can raise inside ``_send_blocks`` (the staging gather re-raises a range
-outside registered memory). Here a pull runs through upstream's sender task
+outside registered memory), and building the descriptors can raise in
+between too. Here a pull runs through upstream's sender task
 (``_sender_worker``: decode, send_kv_to_decode, its error answer) on a
 PDMooncakeConnectorWorker that registered real KV caches with a real
-TransferEngine, the gather made to raise; then the request's abort timeout
-passes.
+TransferEngine, the gather or the build made to raise; then the request's
+abort timeout passes.
 """
 
 from __future__ import annotations
@@ -69,16 +70,40 @@ def prefill() -> Any:
     return worker
 
 
-def gather_raises(*args: Any) -> None:
-    raise ValueError("65536 bytes at 0x1000 are not registered memory")
+BAD_RANGE = "65536 bytes at 0x1000 are not registered memory"
 
 
-def pull_then_expire(metadata: bytes) -> tuple[Any, Any, Any, set[str]]:
+def raises(*args: Any) -> None:
+    raise ValueError(BAD_RANGE)
+
+
+async def raises_async(*args: Any) -> None:
+    raise ValueError(BAD_RANGE)
+
+
+# Where the send raises, between upstream's count and uncount of it, and the
+# plugin's method that guards it (removed for the negative control).
+WHERE = {
+    # _send_blocks: the staging gather.
+    "send": "_send_blocks",
+    # Building the descriptors: upstream's, under the checksum's override.
+    "build": "_build_transfer_params",
+}
+
+
+def pull_then_expire(
+    metadata: bytes, where: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, Any, Any, set[str]]:
     """Prefill finishes request P_REQ, decode pulls it, the send raises; then
     its abort timeout passes. (the answer, the send's meta, the exception the
     sender task logged, what the expiry freed)."""
     worker = prefill()
-    worker._stage_send = gather_raises
+    if where == "send":
+        worker._stage_send = raises
+    else:
+        monkeypatch.setattr(
+            upstream.MooncakeConnectorWorker, "_build_transfer_params", raises_async
+        )
     logged: list[Any] = []
 
     async def go() -> tuple[Any, Any, set[str]]:
@@ -118,10 +143,11 @@ def metadata() -> Any:
         yield decode.call("metadata")
 
 
+@pytest.mark.parametrize("where", WHERE)
 def test_a_raising_send_is_reported_failed_and_its_blocks_expire(
-    metadata: bytes,
+    metadata: bytes, where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    answer, send_meta, logged, freed = pull_then_expire(metadata)
+    answer, send_meta, logged, freed = pull_then_expire(metadata, where, monkeypatch)
     assert logged == []
     print(f"answer {answer}; sending {send_meta.sending}; freed {freed}")
     assert answer.status == upstream.MooncakeXferResponseStatus.FINISH
@@ -130,15 +156,19 @@ def test_a_raising_send_is_reported_failed_and_its_blocks_expire(
     assert freed == {P_REQ}
 
 
+@pytest.mark.parametrize("where", WHERE)
 def test_negative_control_a_raise_pins_the_request_for_good(
-    metadata: bytes, monkeypatch: pytest.MonkeyPatch
+    metadata: bytes, where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The guard removed: the exception reaches upstream's sender task."""
     worker_cls = PDMooncakeConnectorWorker
-    monkeypatch.setattr(worker_cls, "_send_blocks", worker_cls._write_blocks)
-    answer, send_meta, logged, freed = pull_then_expire(metadata)
+    if where == "send":
+        monkeypatch.setattr(worker_cls, "_send_blocks", worker_cls._write_blocks)
+    else:
+        monkeypatch.delattr(worker_cls, WHERE[where])
+    answer, send_meta, logged, freed = pull_then_expire(metadata, where, monkeypatch)
     print(f"control: answer {answer}; sending {send_meta.sending}; logged {logged}")
     assert answer.status == upstream.MooncakeXferResponseStatus.ERROR
-    assert any("not registered memory" in line for line in logged)
+    assert any(BAD_RANGE in line for line in logged)
     assert send_meta.sending == 1
     assert freed == set(), "the expiry freed the request anyway"

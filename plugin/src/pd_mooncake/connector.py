@@ -333,6 +333,26 @@ class PDMooncakeConnectorWorker(
                 )
             return outcome.status
 
+    async def _build_transfer_params(
+        self,
+        ready_reqs: list,
+        agent_meta: Any,
+        local_regions: list,
+        remote_regions: list,
+    ) -> tuple[list[int], list[int], list[int], list[str], str | None]:
+        """Upstream's (with the checksum's digests), never raising, as
+        ``_send_blocks``: upstream's send_kv_to_decode has counted these
+        requests in ``SendBlockMeta.sending`` already. Its requests are
+        reported failed instead; nothing was submitted."""
+        try:
+            return await super()._build_transfer_params(
+                ready_reqs, agent_meta, local_regions, remote_regions
+            )
+        except Exception as exc:
+            logger.exception("PD Mooncake: building a send raised")
+            failed = [d_req_id for d_req_id, _ in ready_reqs]
+            return [], [], [], failed, f"building the send failed: {exc}"
+
     async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any) -> None:
         # A rejection notice names the API request: free its siblings too,
         # as upstream frees a send that is done.

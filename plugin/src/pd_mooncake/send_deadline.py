@@ -37,8 +37,9 @@ What it relies on:
 - ``prefill_abort_s`` (prefill's ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``):
   the latest a first attempt starts after its pull arrived. Order:
   ``prefill_abort_s + attempt_s + margin_s <= decode_wait_s``;
-- a send that raises releases its ``sending`` count (``_send_blocks``
-  reports it failed instead: upstream decrements only on its normal path).
+- a send that raises releases its ``sending`` count (the connector's
+  ``_send_blocks`` and ``_build_transfer_params`` report it failed instead:
+  upstream decrements only on its normal path).
 
 Not covered here: bytes Mooncake handed to the kernel before it gave up on a
 submission (TCP retransmits deliver them later, measured 38 s after a
