@@ -46,9 +46,6 @@ REGISTRATION_STATE = tuple(
     )
 )
 BLOCK_SIZE = 16
-# A bound on a hang, never a speed: a spawned peer imports vLLM and torch before
-# it answers, which took over 60 s on 2 cores loaded by other test runs.
-SPAWN_DEADLINE_S = 300.0
 
 
 class RecordingEngine:

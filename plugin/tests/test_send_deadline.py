@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -23,61 +22,15 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from decode_peer import BLOCK, CANARY, DEADLINE_S, SENT, Decode
 
-from conftest import SPAWN_DEADLINE_S, RecordingEngine
+from conftest import RecordingEngine
 from pd_mooncake import connector as connector_module
 from pd_mooncake import send_deadline
 from pd_mooncake.connector import PDMooncakeConnectorWorker
 from pd_mooncake.metrics import PDMooncakeStats
 
-BLOCK = 1 << 16
-DEADLINE_S = SPAWN_DEADLINE_S
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
-
-def decode_process(to_test: Any, from_test: Any) -> None:
-    """Decode: two registered blocks; on request, reuse block 0 for another
-    request (write the canary) or report both blocks' bytes."""
-    engine = RecordingEngine()
-    blocks = torch.zeros(2 * BLOCK, dtype=torch.uint8)
-    engine.batch_register_memory([blocks.data_ptr()], [blocks.numel()])
-    to_test.put((engine.engine.get_rpc_port(), blocks.data_ptr(), os.getpid()))
-    while True:
-        command = from_test.get(timeout=DEADLINE_S)
-        if command == "reuse":
-            blocks[:BLOCK] = CANARY
-            to_test.put("reused")
-        elif command == "read":
-            to_test.put(blocks.numpy().tobytes())
-        else:
-            return
-
-
-CANARY = 0xC5
-SENT = 0x11
-
-
-class Decode:
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.replies, self.commands = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(
-            target=decode_process, args=(self.replies, self.commands), daemon=True
-        )
-        self.proc.start()
-        port, self.base, self.pid = self.replies.get(timeout=DEADLINE_S)
-        self.session = f"127.0.0.1:{port}"
-
-    def ask(self, command: str) -> Any:
-        self.commands.put(command)
-        return self.replies.get(timeout=DEADLINE_S)
-
-    def close(self) -> None:
-        os.kill(self.pid, signal.SIGCONT)
-        self.commands.put("quit")
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
 
 
 @pytest.fixture

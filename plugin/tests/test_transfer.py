@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from deadlines import SPAWN_DEADLINE_S
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
@@ -28,7 +29,6 @@ from bench.loopback import Peer
 from conftest import (
     DRAFT_LAYER,
     MLA_LAYER,
-    SPAWN_DEADLINE_S,
     RecordingEngine,
     make_worker,
     pull_fields,

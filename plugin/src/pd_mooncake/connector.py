@@ -201,9 +201,36 @@ class PDMooncakeConnectorWorker(
         dst_ptrs: list[int],
         lengths: list[int],
     ) -> int:
+        """Upstream's send, never raising: upstream's send_kv_to_decode
+        counts the send in ``SendBlockMeta.sending`` before it and uncounts
+        it only when it returns (mooncake_connector.py), and its expiry frees
+        a request's blocks only at 0. A raise (the staging gather re-raises a
+        bad range) would hold the requests' blocks until restart; a failed
+        send is reported as upstream reports one (its requests failed, their
+        blocks freed at the abort timeout). The write has settled by then
+        (stall_guard.write, even when it raises)."""
+        try:
+            return self._write_blocks(remote_session, src_ptrs, dst_ptrs, lengths)
+        except Exception:
+            logger.exception(
+                "PD Mooncake: sending to %s raised; reporting it failed",
+                remote_session,
+            )
+            self.xfer_stats.record_failed_transfer()
+            return -1
+
+    def _write_blocks(
+        self,
+        remote_session: str,
+        src_ptrs: list[int],
+        dst_ptrs: list[int],
+        lengths: list[int],
+    ) -> int:
         """Upstream's send (one sync Mooncake batch, its stats and log line),
         with the write through stall_guard: a stall costs ``stall_s``, not
-        Mooncake's whole timeout, and resends only what is pending."""
+        Mooncake's whole timeout, and resends only what is pending; it
+        returns once every submission has settled (send_deadline: the
+        late-write rule)."""
         timeouts: send_deadline.SendTimeouts | None = getattr(
             self, "send_timeouts", None
         )
@@ -269,8 +296,20 @@ class PDMooncakeConnectorWorker(
                 stall_s=self.stall_s,
                 may_resend=may_resend,
                 orphans=self.send_orphans,
+                # Submissions can write until Mooncake's attempt timeouts end
+                # them: the send is not reported before.
+                settle_s=attempt_s,
                 on_resend=on_resend,
             )
+            if outcome.held_s >= self.stall_s or outcome.unsettled:
+                logger.warning(
+                    "PD Mooncake: send to %s held its answer %.1fs for earlier "
+                    "submissions to settle (%d still running at %.0fs)",
+                    remote_session,
+                    outcome.held_s,
+                    outcome.unsettled,
+                    attempt_s,
+                )
             self._staged_sent(
                 staged, outcome.status == 0, outcome.resends, outcome.seconds
             )
@@ -293,6 +332,26 @@ class PDMooncakeConnectorWorker(
                     sum(lengths),
                 )
             return outcome.status
+
+    async def _build_transfer_params(
+        self,
+        ready_reqs: list,
+        agent_meta: Any,
+        local_regions: list,
+        remote_regions: list,
+    ) -> tuple[list[int], list[int], list[int], list[str], str | None]:
+        """Upstream's (with the checksum's digests), never raising, as
+        ``_send_blocks``: upstream's send_kv_to_decode has counted these
+        requests in ``SendBlockMeta.sending`` already. Its requests are
+        reported failed instead; nothing was submitted."""
+        try:
+            return await super()._build_transfer_params(
+                ready_reqs, agent_meta, local_regions, remote_regions
+            )
+        except Exception as exc:
+            logger.exception("PD Mooncake: building a send raised")
+            failed = [d_req_id for d_req_id, _ in ready_reqs]
+            return [], [], [], failed, f"building the send failed: {exc}"
 
     async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any) -> None:
         # A rejection notice names the API request: free its siblings too,

@@ -7,6 +7,43 @@ still land when decode has given up on the request and handed its blocks to
 another one (``SendTimeouts``, checked at start-up and before every resend,
 on the clock decode's pull started: ``StampedQueue``, ``StampingSocket``,
 ``PullClock``). ``SessionExecutor`` gives each decode its own sender threads.
+
+The late-write rule, stated here once (``stall_guard.write`` and the
+connector's ``_send_blocks`` keep it; ``SendTimeouts.check`` verifies the
+order of its timeouts at start-up):
+
+    Prefill starts a Mooncake submission only if it ends (``attempt_s``)
+    ``margin_s`` before decode's wait for the pull does (``decode_wait_s``
+    from decode's last message); and it reports a send, done or failed,
+    only once every submission it made for it is done, failed, or
+    ``attempt_s`` old. Until then the send holds its requests' source
+    blocks (upstream's ``SendBlockMeta.sending``) and decode its blocks (it
+    waits for the answer).
+
+Why each part: a report lets decode use or free its blocks and prefill free
+its source blocks (at once on success; at its abort timeout on failure,
+through upstream's expiry, which skips a request while ``sending`` is above
+0: mooncake_connector.py ``fetch_finished_sending_reqs``). A submission that
+resumed after that would read another request's KV from reused source
+blocks into blocks decode gave to another request, after the checksum.
+What it relies on:
+
+- ``attempt_s``, the largest of Mooncake's own timeouts
+  (``MOONCAKE_ATTEMPT_TIMEOUTS``): Mooncake ends a submission within it,
+  so past it nothing reads the source blocks;
+- ``decode_wait_s`` (decode's ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` + 60 s,
+  restarted by each answer): every submission ends ``margin_s`` before it,
+  so an answer held for them still reaches decode in time;
+- ``prefill_abort_s`` (prefill's ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``):
+  the latest a first attempt starts after its pull arrived. Order:
+  ``prefill_abort_s + attempt_s + margin_s <= decode_wait_s``;
+- a send that raises releases its ``sending`` count (the connector's
+  ``_send_blocks`` and ``_build_transfer_params`` report it failed instead:
+  upstream decrements only on its normal path).
+
+Not covered here: bytes Mooncake handed to the kernel before it gave up on a
+submission (TCP retransmits deliver them later, measured 38 s after a
+failed pull); only decode can guard its blocks against those.
 """
 
 from __future__ import annotations
@@ -85,7 +122,8 @@ class SendTimeouts:
 
     def check(self) -> None:
         """Start-up: the first attempt of a request that became ready at the
-        last moment prefill waits for it must still end before decode gives up."""
+        last moment prefill waits for it must still end before decode gives
+        up, and so must the wait for its submissions (the late-write rule)."""
         need = self.prefill_abort_s + self.attempt_s + self.margin_s
         if need > self.decode_wait_s:
             raise TimeoutOrderError(

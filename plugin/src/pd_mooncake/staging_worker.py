@@ -173,9 +173,10 @@ class StagingWorker:
     ) -> None:
         if staged is None or self._arena is None:
             return
-        # A submission given up on may still read this span; reused, its late
-        # write carries other bytes, but into decode's span, which the answer
-        # tells decode to hold back.
+        # The write waited for its submissions (stall_guard.write); one that
+        # Mooncake still ran past its attempt timeout may read this span;
+        # reused, its late write carries other bytes, but into decode's span,
+        # which the answer tells decode to hold back.
         self._arena.release(staged.offset, staged.nbytes)
         self.xfer_stats.record_staging("write", seconds)
         if ok:

@@ -22,7 +22,14 @@ resend may start at all is the caller's decision (``may_resend``): it knows
 how long decode still waits for these blocks.
 
 Writing the same bytes to the same place twice is safe: decode does not use
-the blocks before the pull's completion notice, which follows this call.
+the blocks before the pull's completion notice, which follows this call. A
+write that resumes after that notice is not: prefill frees and reuses the
+source blocks once the send is reported (done or failed), decode its blocks,
+and the late submission then carries another request's bytes into them. So
+``write`` returns only once every submission it made has settled (done or
+failed) or is ``settle_s`` old (Mooncake's own attempt timeouts end it by
+then): the rule and the timeouts it relies on are stated once, in
+``send_deadline``.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pd_mooncake.send_deadline import MOONCAKE_ATTEMPT_TIMEOUTS
 
 # transfer_check_status: 1 done (id freed), -1 failed (id freed), -2 Mooncake
 # timed the slice out (id kept), 0 still running.
@@ -48,16 +57,21 @@ DEFAULT_STALL_S = 1.0
 # Between polling rounds: short against a transfer (13-600 ms measured) and
 # long against a round (a few microseconds per pending descriptor).
 POLL_S = 0.001
-# Ids of earlier submissions still unsettled, kept for polling; past this
-# many (a peer that never answers again) they are dropped, leaking their
-# batch descriptors rather than growing without bound.
+# How long a submission can still write, at Mooncake's default timeouts; the
+# connector passes the configured value (send_deadline.SendTimeouts.attempt_s).
+DEFAULT_SETTLE_S = max(MOONCAKE_ATTEMPT_TIMEOUTS.values())
+# Ids of submissions still running past their settle bound, kept for polling
+# (a write waits for its own until then); past this many (a peer that never
+# answers again) they are dropped, leaking their batch descriptors rather
+# than growing without bound.
 MAX_ORPHANS = 65536
 
 
 @dataclass
 class Orphans:
-    """Submissions replaced by a resend, polled until Mooncake settles them
-    (shared by the worker's sender threads)."""
+    """Submissions still running past their write's settle bound, polled
+    until Mooncake settles them, which frees their ids (shared by the
+    worker's sender threads)."""
 
     ids: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -80,7 +94,13 @@ class Orphans:
 class Outcome:
     status: int
     resends: int
+    # Until the write's own result was known.
     seconds: float
+    # Then spent waiting for submissions it had replaced or given up on.
+    held_s: float = 0.0
+    # Of those, how many were still running at their bound (handed to the
+    # orphans: past Mooncake's attempt timeouts, see send_deadline).
+    unsettled: int = 0
 
 
 def write(
@@ -93,6 +113,7 @@ def write(
     stall_s: float,
     may_resend: Callable[[float], bool],
     orphans: Orphans,
+    settle_s: float = DEFAULT_SETTLE_S,
     on_resend: Callable[[int], None] = lambda pending: None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
@@ -102,11 +123,53 @@ def write(
     A failed descriptor (peer gone, connection refused) fails the write once
     the others have settled; a stall (or a slice Mooncake timed out) resends
     the pending ones while ``may_resend(now)`` allows, else fails the write.
+    Either way it returns only once every submission it made is done,
+    failed, or ``settle_s`` old (send_deadline: the late-write rule).
     """
     start = clock()
     descriptors = list(zip(src, dst, lengths, strict=True))
-    pending = _submit(engine, session, descriptors, range(len(descriptors)), orphans)
-    resends, failed, progress, wait_s = 0, False, start, stall_s
+    # This call's submissions not yet seen settled, and when each was made.
+    unsettled: dict[int, float] = {}
+    try:
+        status, resends = _write(
+            engine,
+            session,
+            descriptors,
+            unsettled,
+            stall_s=stall_s,
+            may_resend=may_resend,
+            orphans=orphans,
+            on_resend=on_resend,
+            clock=clock,
+            sleep=sleep,
+        )
+    finally:
+        # Also when Mooncake raised: no caller may report this send while a
+        # submission of it can still read the source or write the target.
+        seconds = clock() - start
+        held_s, left = _settle(engine, unsettled, settle_s, orphans, clock, sleep)
+    return Outcome(status, resends, seconds, held_s, left)
+
+
+def _write(
+    engine: Any,
+    session: str,
+    descriptors: Sequence[tuple[int, int, int]],
+    unsettled: dict[int, float],
+    *,
+    stall_s: float,
+    may_resend: Callable[[float], bool],
+    orphans: Orphans,
+    on_resend: Callable[[int], None],
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> tuple[int, int]:
+    """(status, resends); submissions replaced by a resend stay in
+    ``unsettled`` (polled here, waited for by the caller)."""
+    pending = _submit(
+        engine, session, descriptors, range(len(descriptors)), unsettled, clock
+    )
+    resends, failed, progress, wait_s = 0, False, clock(), stall_s
     while pending:
         still: dict[int, int] = {}
         timed_out = False
@@ -115,27 +178,63 @@ def write(
             if status == RUNNING:
                 still[index] = batch_id
             elif status == DONE:
+                del unsettled[batch_id]
                 progress, wait_s = clock(), stall_s
             elif status == FAILED:
+                del unsettled[batch_id]
                 failed = True
             else:  # TIMED_OUT: Mooncake gave up on the slice, id not freed.
                 still[index], timed_out = batch_id, True
         pending = still
+        if len(unsettled) > len(pending):
+            _poll(engine, unsettled, skip=set(pending.values()))
         orphans.poll(engine)
         now = clock()
         if not pending or (now - progress < wait_s and not timed_out):
             if pending:
                 sleep(POLL_S)
             continue
-        orphans.adopt(list(pending.values()))
         if failed or not may_resend(now):
-            return Outcome(-1, resends, now - start)
+            return -1, resends
         on_resend(len(pending))
-        pending = _submit(engine, session, descriptors, pending, orphans)
+        pending = _submit(engine, session, descriptors, pending, unsettled, clock)
         resends, progress, wait_s = resends + 1, now, 2 * wait_s
-    if pending is None:
-        failed = True
-    return Outcome(-1 if failed else 0, resends, clock() - start)
+    return (-1 if failed or pending is None else 0), resends
+
+
+def _poll(engine: Any, unsettled: dict[int, float], skip: set[int]) -> None:
+    """Forget the submissions Mooncake has settled (it frees their ids: each
+    is polled to a final status once only)."""
+    for batch_id in [b for b in unsettled if b not in skip]:
+        if engine.transfer_check_status(batch_id) in (DONE, FAILED):
+            del unsettled[batch_id]
+
+
+def _settle(
+    engine: Any,
+    unsettled: dict[int, float],
+    settle_s: float,
+    orphans: Orphans,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> tuple[float, int]:
+    """Wait until each submission in ``unsettled`` has settled or is
+    ``settle_s`` old; the ones still running then go to ``orphans``.
+    (seconds waited, how many went)."""
+    start = clock()
+    try:
+        while unsettled and clock() < max(unsettled.values()) + settle_s:
+            _poll(engine, unsettled, skip=set())
+            if unsettled:
+                sleep(POLL_S)
+    except Exception:
+        # Mooncake cannot tell (it raised): wait the bound out instead.
+        if unsettled:
+            sleep(max(0.0, max(unsettled.values()) + settle_s - clock()))
+        raise
+    finally:
+        orphans.adopt(list(unsettled))
+    return clock() - start, len(unsettled)
 
 
 def _submit(
@@ -143,15 +242,17 @@ def _submit(
     session: str,
     descriptors: Sequence[tuple[int, int, int]],
     indices: Iterable[int],
-    orphans: Orphans,
+    unsettled: dict[int, float],
+    clock: Callable[[], float],
 ) -> dict[int, int] | None:
-    """Batch ids by descriptor index; None (the submitted ones orphaned) when
-    Mooncake refuses one, which it does at once for a peer that is gone."""
+    """Batch ids by descriptor index; None when Mooncake refuses one, which
+    it does at once for a peer that is gone (the ones submitted before stay
+    in ``unsettled``)."""
     submitted: dict[int, int] = {}
     for index in indices:
         batch_id = engine.transfer_submit_write(session, *descriptors[index])
         if batch_id == NOT_SUBMITTED:
-            orphans.adopt(list(submitted.values()))
             return None
+        unsettled[batch_id] = clock()
         submitted[index] = batch_id
     return submitted
