@@ -144,11 +144,19 @@ profile: install ## Write configs/profiles/NAME.yaml from TARGET_CONFIG (+ DRAFT
 	$(PY) -m pdstack.profile new $(NAME) --target-config $(TARGET_CONFIG) \
 	  $(if $(DRAFT_CONFIG),--draft-config $(DRAFT_CONFIG)) $(PROFILE_ARGS)
 
+# The modules that judge answers and transfers, again on the twin served in
+# bfloat16: a GPU stack's numerics, judged in the band the oracle calibrates
+# on it (a healthy bf16 answer may leave the reference at a near-tie; wrong KV
+# must still fail). About 2.5 minutes.
+BF16_MODULES := e2e/test_correctness.py e2e/test_negative_controls.py \
+  e2e/test_transfer_evidence.py
+
 .PHONY: test
-test: install lint ## Everything CI runs: unit tests, then the e2e suite on the CPU twin
+test: install lint ## Everything CI runs: unit tests, the e2e suite on the CPU twin, its answers again in bfloat16
 	$(PY) -m pdstack.preflight
 	$(PY) -m pytest plugin/tests tests $(PYTEST_ARGS)
 	$(PY) -m pytest e2e $(PYTEST_ARGS)
+	PD_DTYPE=bfloat16 $(PY) -m pytest $(BF16_MODULES) $(PYTEST_ARGS)
 
 # `make test-compat`: the plugin on the releases beside the one installed.
 # vLLM 0.19.1 (before PR 39596) in its own venv: the seed's registration and a
