@@ -153,6 +153,17 @@ def step(scheduler: Any, worker: PDMooncakeConnectorWorker) -> Any:
 # -- decode worker: upstream's pull, over real ZMQ --------------------------------
 
 
+def start_pull(
+    worker: PDMooncakeConnectorWorker, prefill: ScriptedSideChannel, pulls: dict
+) -> tuple[asyncio.Future, asyncio.Future]:
+    """The scripted prefill serving, and decode's pull from it under way."""
+    serving = asyncio.ensure_future(prefill.serve())
+    pull = asyncio.ensure_future(
+        worker.receive_kv_from_single_worker(f"tcp://127.0.0.1:{prefill.port}", pulls)
+    )
+    return serving, pull
+
+
 def decode_worker(interval: float) -> PDMooncakeConnectorWorker:
     """The state upstream's receive_kv_from_single_worker and its failure
     path read (the full constructor needs a running vLLM)."""
@@ -243,12 +254,7 @@ def test_a_dead_prefill_fails_only_the_pulls_still_outstanding(
         for meta in pulls.values():
             meta.pull_tasks_count = 1  # one prefill worker (upstream receive_kv)
         prefill = ScriptedSideChannel(worker.async_zmq_ctx, ["req-0", "req-1"])
-        serving = asyncio.ensure_future(prefill.serve())
-        pull = asyncio.ensure_future(
-            worker.receive_kv_from_single_worker(
-                f"tcp://127.0.0.1:{prefill.port}", pulls
-            )
-        )
+        serving, pull = start_pull(worker, prefill, pulls)
         await asyncio.wait_for(prefill.answered.wait(), DEADLINE_S)
         await until(
             lambda: worker.finished_recving_reqs == {"req-0", "req-1"},
@@ -321,12 +327,7 @@ def test_a_dead_prefill_settles_each_request_once(bootstrap: socket.socket) -> N
 
     async def scenario() -> None:
         prefill = ScriptedSideChannel(worker.async_zmq_ctx, ["req-0"], failed=["req-1"])
-        serving = asyncio.ensure_future(prefill.serve())
-        pull = asyncio.ensure_future(
-            worker.receive_kv_from_single_worker(
-                f"tcp://127.0.0.1:{prefill.port}", pulls
-            )
-        )
+        serving, pull = start_pull(worker, prefill, pulls)
         await asyncio.wait_for(prefill.answered.wait(), DEADLINE_S)
         await until(
             lambda: worker.finished_recving_reqs == {"req-0", "req-1"},
@@ -370,12 +371,7 @@ def test_with_two_prefill_workers_a_dead_one_settles_its_part_once(
 
     async def scenario() -> None:
         prefill = ScriptedSideChannel(worker.async_zmq_ctx, ["req-0"], failed=["req-1"])
-        serving = asyncio.ensure_future(prefill.serve())
-        pull = asyncio.ensure_future(
-            worker.receive_kv_from_single_worker(
-                f"tcp://127.0.0.1:{prefill.port}", pulls
-            )
-        )
+        serving, pull = start_pull(worker, prefill, pulls)
         await asyncio.wait_for(prefill.answered.wait(), DEADLINE_S)
         await until(
             lambda: pulls["req-0"].pull_tasks_count == 1, DEADLINE_S, "CONTINUE"
