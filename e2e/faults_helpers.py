@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,6 +176,25 @@ def wrong_answers(outcomes: list[Outcome], expected: list[list[int]]) -> list[in
         i
         for i, (o, e) in enumerate(zip(outcomes, expected, strict=True))
         if o.status == 200 and o.token_ids != e
+    ]
+
+
+def answered_wrong(
+    stack: Stack, sent: Sequence[tuple[dict[str, Any], Outcome]]
+) -> list[str]:
+    """Every request of ``sent`` that was answered (200) during a fault,
+    against its reference, asked once the stack serves again: a 200 is only
+    a success if its tokens are the reference's (a late write or KV from the
+    wrong request answers 200 too). What differed, one line each."""
+    answered = [(body, o) for body, o in sent if o.status == 200]
+    if not answered:
+        return []
+    expected = references(stack, [body for body, _ in answered])
+    outcomes = [o for _, o in answered]
+    return [
+        f"prompt of {len(answered[i][0]['prompt'])} tokens: {outcomes[i].token_ids} "
+        f"(reference {expected[i]})"
+        for i in wrong_answers(outcomes, expected)
     ]
 
 

@@ -20,7 +20,7 @@ from unittest import mock
 import pytest
 
 import faults_helpers as fh
-from conftest import require_full_install
+from conftest import FAULT_FILE_ENV, require_full_install
 from pdstack import config, supervisor, twin
 
 # Development: PD_FAULTS_KEEP=1 leaves the fault stack running after the
@@ -61,6 +61,12 @@ def faults(request: pytest.FixtureRequest) -> Iterator[fh.FaultStack]:
         pytest.fail(f"fault stack ports in use: {busy} (configs/faults.yaml offsets)")
     fh.RUN_DIR.mkdir(parents=True, exist_ok=True)
     keep = os.environ.get(KEEP_ENV) == "1"
+    # Decode's fault switch, off: the negative control of the comparison
+    # every case makes of its answers with the reference turns it on.
+    fault_file = fh.RUN_DIR / "fault"
+    fault_file.unlink(missing_ok=True)
+    decode_env = launch["role_env"].setdefault("decode", {})
+    decode_env[FAULT_FILE_ENV] = str(fault_file)
     # pdstack reads the ports from the environment.
     with mock.patch.dict(os.environ, env):
         if keep and set(twin.running(fh.RUN_DIR)) == {*config.ROLES, "router"}:
@@ -78,6 +84,7 @@ def faults(request: pytest.FixtureRequest) -> Iterator[fh.FaultStack]:
         bootstrap=f"http://{twin.HOST}:{urls.bootstrap_port}",
         bounds=bounds,
         role_env=launch["role_env"],
+        fault_file=fault_file,
     )
     try:
         stack.idle = fh.idle_state(stack)

@@ -14,7 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from unittest import mock
 
+import pytest
+
 import faults_helpers as fh
+from pd_mooncake.faults import CORRUPT_CHECKED_KV
 from pdstack import metrics as m
 from pdstack import twin, wait
 from pdstack.client import greedy
@@ -74,6 +77,26 @@ def _kill_in_flight(
         return [f.result() for f in futures], killed_at, before
 
 
+def test_negative_control_wrong_answers_are_caught(faults: fh.FaultStack) -> None:
+    """The comparison the kill cases make of every 200 with the reference
+    catches a wrong answer: with decode's KV corrupted after its checksum
+    (a late write's effect: the bytes checked, then others in the blocks),
+    every answer is a 200 and every one is named."""
+    if faults.fault_file is None:
+        pytest.skip("no fault switch for decode (--fault-file)")
+    bodies = [greedy(faults.prompt(30 + 11 * i, salt=4050 + i), 8) for i in range(3)]
+    faults.fault_file.write_text(CORRUPT_CHECKED_KV)
+    try:
+        outcomes = [fh.post(faults.router, body) for body in bodies]
+    finally:
+        faults.fault_file.unlink(missing_ok=True)
+    wrong = fh.answered_wrong(faults, list(zip(bodies, outcomes, strict=True)))
+    print(f"with {CORRUPT_CHECKED_KV}: {[o.status for o in outcomes]}; {wrong}")
+    assert [o.status for o in outcomes] == [200] * 3
+    assert len(wrong) == 3, wrong
+    fh.serves_exactly(faults, salt=4060)
+
+
 def test_decode_killed_with_requests_in_flight(faults: fh.FaultStack) -> None:
     fh.require_owned(faults, "kills and restarts decode")
     pids = twin.running(fh.RUN_DIR)
@@ -91,7 +114,8 @@ def test_decode_killed_with_requests_in_flight(faults: fh.FaultStack) -> None:
     )
     held = m.scrape(faults.prefill).total(m.KV_USAGE)
     terminal = max(end - killed_at for _, end in results)
-    statuses = [o.status for o, _ in results]
+    outcomes = [o for o, _ in results]
+    statuses = [o.status for o in outcomes]
     # Decode comes back (a supervisor's restart) while prefill's abort timeout
     # runs down; prefill and router stay the same processes.
     with ThreadPoolExecutor(max_workers=1) as supervisor:
@@ -120,11 +144,12 @@ def test_decode_killed_with_requests_in_flight(faults: fh.FaultStack) -> None:
     body = greedy(faults.prompt(33, salt=4200), 8)
     (expected,) = fh.references(faults, [body])
     got, recovered_s, seen = _first_success(faults, body, faults.bounds["recovery"])
+    wrong = fh.answered_wrong(faults, list(zip(bodies + late, outcomes, strict=True)))
     _, found_after = fh.wait_idle(faults, faults.bounds["idle"])
     fh.record(
         "decode killed with 8 in flight (+4 while dead)",
         len(results),
-        sum(s is None or s < 500 for s in statuses),
+        sum(s is None or s < 500 for s in statuses) + len(wrong),
         terminal,
         found or found_after,
         f"decode restarted in {restart_s:.0f}s; first success {recovered_s:.1f}s "
@@ -134,6 +159,7 @@ def test_decode_killed_with_requests_in_flight(faults: fh.FaultStack) -> None:
     assert {k: after[k] for k in others} == {k: pids[k] for k in others}
     assert got.status == 200, got.body[:300]
     assert got.token_ids == expected
+    assert wrong == [], wrong
     assert found_after == {}
 
 
@@ -150,7 +176,9 @@ def test_prefill_killed_with_requests_in_flight(faults: fh.FaultStack) -> None:
         lambda started: fh.prefill_at_work(faults.prefill, started),
         "prefill at work on the prompts",
     )
-    while_dead = fh.post(faults.router, greedy(faults.prompt(20, salt=4399), 4))
+    dead_body = greedy(faults.prompt(20, salt=4399), 4)
+    while_dead = fh.post(faults.router, dead_body)
+    outcomes = [o for o, _ in results] + [while_dead]
     statuses = [o.status for o, _ in results]
     after_kill = sorted(round(end - killed_at, 1) for _, end in results)
     # Decode must not keep waiting for KV from the dead prefill.
@@ -174,11 +202,15 @@ def test_prefill_killed_with_requests_in_flight(faults: fh.FaultStack) -> None:
     before = fh.counters(faults)
     got, recovered_s, seen = _first_success(faults, body, faults.bounds["recovery"])
     d, p = fh.transferred(faults, before, len(body["prompt"]))
+    # Requests answered around the kill: each exactly the reference's.
+    wrong = fh.answered_wrong(
+        faults, list(zip([*bodies, dead_body], outcomes, strict=True))
+    )
     _, found = fh.wait_idle(faults, faults.bounds["idle"])
     fh.record(
         "prefill killed with 12 in flight (+1 while dead)",
         len(results) + 1,
-        sum(s is None for s in statuses),
+        sum(s is None for s in statuses) + len(wrong),
         max(max(after_kill), while_dead.seconds),
         found,
         f"prefill restarted in {restart_s:.0f}s, engine ids {ids_before} -> "
@@ -194,6 +226,7 @@ def test_prefill_killed_with_requests_in_flight(faults: fh.FaultStack) -> None:
     # A real transfer, not decode recomputing the prompt.
     assert p.total(m.TRANSFERS) >= 1
     assert d.total(m.EXTERNAL_HITS) == len(body["prompt"])
+    assert wrong == [], wrong
     assert found == {}
 
 
@@ -214,8 +247,10 @@ def test_prefill_frozen_with_requests_waiting(faults: fh.FaultStack) -> None:
         try:
             for offset, salt in ((2, 4510), (20, 4520)):
                 time.sleep(max(0.0, frozen_at + offset - time.monotonic()))
-                body = greedy(faults.prompt(25, salt=salt), 8)
-                sent.append(pool.submit(fh.post, faults.router, body, timeout=timeout))
+                bodies.append(greedy(faults.prompt(25, salt=salt), 8))
+                sent.append(
+                    pool.submit(fh.post, faults.router, bodies[-1], timeout=timeout)
+                )
             outcomes = [future.result() for future in sent]
         finally:
             os.killpg(group, signal.SIGCONT)
@@ -225,13 +260,15 @@ def test_prefill_frozen_with_requests_waiting(faults: fh.FaultStack) -> None:
     body = greedy(faults.prompt(33, salt=4600), 8)
     (expected,) = fh.references(faults, [body])
     got, recovered_s, seen = _first_success(faults, body, faults.bounds["recovery"])
+    wrong = fh.answered_wrong(faults, list(zip(bodies, outcomes, strict=True)))
     _, found = fh.wait_idle(faults, fh.abort_timeout(faults) + faults.bounds["idle"])
     fh.record(
         f"prefill frozen (SIGSTOP) {frozen_s:.0f}s, 3 in flight (+2)",
         len(outcomes),
         sum(
             o.status is None or o.seconds >= faults.bounds["terminal"] for o in outcomes
-        ),
+        )
+        + len(wrong),
         slowest,
         found,
         f"statuses {statuses}; serving exactly {recovered_s:.1f}s after SIGCONT "
@@ -241,4 +278,5 @@ def test_prefill_frozen_with_requests_waiting(faults: fh.FaultStack) -> None:
     assert slowest < faults.bounds["terminal"], [o.seconds for o in outcomes]
     assert twin.running(fh.RUN_DIR) == pids, "a server was restarted"
     assert got.status == 200 and got.token_ids == expected, got.body[:300]
+    assert wrong == [], wrong
     assert found == {}, f"not back to idle: {found}"

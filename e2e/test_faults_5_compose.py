@@ -55,21 +55,20 @@ class Flight:
 
     stack: fh.FaultStack
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(16))
-    sent: list[tuple[float, Future]] = field(default_factory=list)
+    sent: list[tuple[dict[str, Any], Future]] = field(default_factory=list)
 
     def send(self, body: dict[str, Any]) -> None:
         # The client's own bound: far above the one asserted, so a request
         # that hangs shows as one (no HTTP answer), not as a stuck test.
         timeout = self.stack.bounds["terminal"] + 60
-        start = time.monotonic()
         future = self.pool.submit(fh.post, self.stack.router, body, timeout=timeout)
-        self.sent.append((start, future))
+        self.sent.append((body, future))
 
-    def results(self) -> list[tuple[int | None, float]]:
-        """(status, seconds from send to terminal answer) per request."""
-        outcomes = [future.result() for _, future in self.sent]
+    def results(self) -> list[tuple[dict[str, Any], fh.Outcome]]:
+        """(request, its terminal answer) per request sent."""
+        done = [(body, future.result()) for body, future in self.sent]
         self.pool.shutdown()
-        return [(o.status, o.seconds) for o in outcomes]
+        return done
 
 
 def bodies(stack: fh.FaultStack, count: int, salt: int, tokens: int) -> list[dict]:
@@ -105,23 +104,30 @@ def settle(
 ) -> dict[str, Any]:
     """The checks every case ends with; records the row and returns figures."""
     results = flight.results()
-    statuses = [s for s, _ in results]
-    slowest = max(t for _, t in results)
+    statuses = [o.status for _, o in results]
+    slowest = max(o.seconds for _, o in results)
     back_s, seen = recovered(stack, salt)
+    # Requests answered during the fault: each exactly the reference's.
+    wrong = fh.answered_wrong(stack, results)
     abort_s = compose.abort_timeout_s() or fh.DEFAULT_ABORT_TIMEOUT_S
     bound = abort_s + stack.bounds["idle"]
     idle_s, found = fh.wait_idle(stack, bound)
     fh.record(
         case,
         len(results),
-        sum(s is None or t >= stack.bounds["terminal"] for s, t in results),
+        sum(
+            o.status is None or o.seconds >= stack.bounds["terminal"]
+            for _, o in results
+        )
+        + len(wrong),
         slowest,
         found,
         f"statuses {statuses}; serving exactly again {back_s:.1f}s after the "
         f"heal (on the way {seen}); idle {idle_s:.1f}s after that",
     )
-    assert all(s is not None for s in statuses), f"a client got no answer: {results}"
-    assert slowest < stack.bounds["terminal"], results
+    assert all(s is not None for s in statuses), f"a client got no answer: {statuses}"
+    assert slowest < stack.bounds["terminal"], [o.seconds for _, o in results]
+    assert wrong == [], wrong
     assert found == {}, f"not back to idle: {found}"
     return {"statuses": statuses, "slowest": slowest, "back_s": back_s}
 
