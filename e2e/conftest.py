@@ -360,10 +360,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     band = JUDGED[0][1].band
     flips = [(label, v) for label, v in JUDGED if v.flipped_at is not None]
     label, top = max(JUDGED, key=lambda j: j[1].largest)
+    judged = sum(v.judged for _, v in JUDGED)
+    near_ties = sum(v.near_ties for _, v in JUDGED)
     terminalreporter.write_line(
-        f"oracle: {len(JUDGED)} answers, {sum(v.judged for _, v in JUDGED)} "
-        f"tokens judged; {band.describe()}; "
-        f"{sum(v.near_ties for _, v in JUDGED)} near-ties met, "
+        f"oracle: {len(JUDGED)} answers, {judged} tokens judged "
+        f"({judged - near_ties} where the reference was confident: another "
+        f"token there fails); {band.describe()}; {near_ties} near-ties met, "
         f"{len(flips)} taken another way"
         + (": " + "; ".join(f"{lbl} at token {v.flipped_at}" for lbl, v in flips))
         * bool(flips)
