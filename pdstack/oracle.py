@@ -211,6 +211,26 @@ def judge(reference: Sequence[Step], answer: Sequence[Step], band: Band) -> Verd
     return verdict(True, judged)
 
 
+def judge_tokens(
+    reference: Sequence[Step], tokens: Sequence[int], band: Band
+) -> Verdict:
+    """An answer known by its tokens only (a client's request: no
+    log-probabilities) against ``reference``: ``judge``'s verdict on where
+    it went, every token equal or another one at a near-tie the reference
+    rated within the band (on an exact band, every token equal). How far its
+    log-probabilities moved is not known here: ``judge`` measures that on
+    answers that carry them; this one is for the fault suite's requests,
+    sent as clients send them."""
+    answer = [
+        # The reference's own log-probability for the token (unknown to the
+        # reference: -inf), so that only a different token can fail.
+        Step(token, want.candidates().get(token, -math.inf), math.inf)
+        for want, token in zip(reference, tokens, strict=False)
+    ]
+    answer += [Step(token, 0.0, math.inf) for token in tokens[len(answer) :]]
+    return judge(reference, answer, band)
+
+
 def shared_deltas(reference: Sequence[Step], answer: Sequence[Step]) -> list[float]:
     """|Δlogprob| at each position up to the first where the tokens differ."""
     out = []

@@ -191,6 +191,49 @@ def test_an_answer_of_another_length_fails(bf16_band: Band, length: int) -> None
     assert (verdict.ok, verdict.failure, verdict.judged) == (False, "length", judged)
 
 
+def tokens_of(answer: list[Step]) -> list[int]:
+    return [s.token for s in answer]
+
+
+def test_tokens_alone_equal_to_the_reference_pass_on_either_band(
+    bf16_band: Band,
+) -> None:
+    """The fault suite's answers carry no log-probabilities: their tokens
+    are judged against the reference's candidates."""
+    for band in (bf16_band, Band(0.0, exact=True)):
+        verdict = oracle.judge_tokens(REFERENCE, tokens_of(REFERENCE), band)
+        assert verdict.ok and verdict.judged == len(REFERENCE), verdict.describe()
+
+
+def test_tokens_alone_taking_a_near_tie_pass_only_on_a_band(bf16_band: Band) -> None:
+    """The make e2e run on the bf16 twin that the exact comparison failed
+    (5 of 64 load answers): another token where the reference's two best
+    were within the band."""
+    answer = tokens_of(flipped(REFERENCE, at=0))
+    verdict = oracle.judge_tokens(REFERENCE, answer, bf16_band)
+    assert (verdict.ok, verdict.flipped_at) == (True, 0), verdict.describe()
+    exact = oracle.judge_tokens(REFERENCE, answer, Band(0.0, exact=True))
+    assert (exact.ok, exact.failure) == (False, "diverged")
+
+
+@pytest.mark.parametrize("token", [640, 31337])
+def test_tokens_alone_leaving_a_confident_reference_fail(
+    bf16_band: Band, token: int
+) -> None:
+    """Token 1: the reference's margin 1.41 nats; 640 is its runner-up,
+    31337 a token it did not rate at all (what wrong KV produces)."""
+    answer = tokens_of(flipped(REFERENCE, at=1, token=token))
+    verdict = oracle.judge_tokens(REFERENCE, answer, bf16_band)
+    assert (verdict.ok, verdict.failure, verdict.failed_at) == (False, "diverged", 1)
+
+
+@pytest.mark.parametrize("length", [11, 13])
+def test_tokens_alone_of_another_length_fail(bf16_band: Band, length: int) -> None:
+    answer = (tokens_of(REFERENCE) * 2)[:length]
+    verdict = oracle.judge_tokens(REFERENCE, answer, bf16_band)
+    assert (verdict.ok, verdict.failure) == (False, "length")
+
+
 def test_calibration_on_wrong_kv_is_refused() -> None:
     """Negative control: a stack whose KV is already wrong must not calibrate
     a band wide enough to let itself through."""
