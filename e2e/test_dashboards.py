@@ -123,6 +123,14 @@ def test_alert_rules_load_and_fire_on_their_condition(
 
     expected = {"PDMooncakeFaultSwitchArmed"} if switch not in (None, "none") else set()
     seen = wait.poll(firing, lambda f: expected <= f, 20, f"alerts {expected}")
-    print(f"rules {sorted(names)}; firing {sorted(seen)}; decode fault switch {switch}")
+    # Stalled sends sent again are a healthy stack's recovery on a busy
+    # machine (a make e2e run beside six test runs on 2 cores retried over 2):
+    # the warning stands where prefill's own counter says it retried.
+    retried = m.scrape(stack.prefill).total(m.RETRIED_TRANSFERS)
+    allowed = expected | ({"PDMooncakeTransfersRetried"} if retried > 2 else set())
+    print(
+        f"rules {sorted(names)}; firing {sorted(seen)}; decode fault switch "
+        f"{switch}; prefill retried {retried:.0f} transfers"
+    )
     # A healthy stack: nothing but the armed switch of a test stack.
-    assert seen - expected == set()
+    assert seen - allowed == set()
