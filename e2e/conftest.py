@@ -233,12 +233,40 @@ def trace_steps(url: str, prompt: list[int], max_tokens: int) -> list[oracle.Ste
     return oracle.steps(done.token_ids, done.top_logprobs)
 
 
+SWITCH_HELP = (
+    "start decode with PD_MOONCAKE_FAULT_FILE=<path inside its container> and "
+    "that directory bind-mounted from this host (docker/compose.e2e.yaml does "
+    "both: run/e2e-fault), then pass --fault-file run/e2e-fault/fault "
+    "(make e2e does)"
+)
+
+
+def decode_fault_file(stack: Stack) -> Path:
+    """Decode's fault switch as this host writes it; skips the test where
+    decode does not read one (a stack given by URLs without it)."""
+    if stack.fault_file is None:
+        pytest.skip(f"no fault switch for decode: {SWITCH_HELP}")
+    switch = m.scrape(stack.decode).labels_of(m.KV_CACHE_INFO).get("fault_switch")
+    if switch != "file":
+        pytest.skip(
+            f"decode reports fault_switch={switch!r}, not 'file': {SWITCH_HELP}"
+        )
+    stack.fault_file.parent.mkdir(parents=True, exist_ok=True)
+    return stack.fault_file
+
+
 def twin_is_exact() -> bool:
     """The twin's greedy output is exact where it serves float32 (the tiny
     profile's cpu target), as vLLM's CPU MLA backend and the transformers
     reference compute; in another dtype it carries that dtype's noise."""
     flags = config.with_env_overrides(config.vllm_flags("decode", "tiny", "cpu"))
     return flags.get("dtype") == "float32"
+
+
+def twin_epsilon() -> float:
+    """The oracle's epsilon for a twin this suite starts: 0 (every token)
+    where it is exact, else the band's floor."""
+    return 0.0 if twin_is_exact() else oracle.FLOOR
 
 
 @functools.cache
@@ -314,9 +342,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
             reference=urls.prefill,
             owned=True,
             run_dir=E2E_RUN_DIR,
-            epsilon=(0.0 if twin_is_exact() else oracle.FLOOR)
-            if epsilon is None
-            else epsilon,
+            epsilon=twin_epsilon() if epsilon is None else epsilon,
             fault_file=FAULT_FILE,
         )
     finally:

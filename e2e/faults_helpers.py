@@ -23,8 +23,8 @@ import pytest
 import requests
 import yaml
 
-from conftest import E2E_RUN_DIR, Stack, tagged
-from pdstack import client, config, hosts, wait
+from conftest import E2E_RUN_DIR, TRACE, Stack, tagged
+from pdstack import client, config, hosts, oracle, wait
 from pdstack import metrics as m
 from pdstack.client import greedy
 
@@ -170,12 +170,47 @@ def post_all(
         return list(pool.map(lambda b: post(url, b, timeout=timeout), bodies))
 
 
-def wrong_answers(outcomes: list[Outcome], expected: list[list[int]]) -> list[int]:
-    """Which answers came back (200) with other tokens than the reference's."""
+@dataclass(frozen=True)
+class Expected:
+    """A request's reference answer (prefill served it whole) and what an
+    answer to it must be on this stack: its tokens where the stack is exact;
+    elsewhere (bfloat16, a GPU's batch-variant kernels) the same tokens, or
+    another one where the reference rated it within the stack's calibrated
+    band (pdstack.oracle.judge_tokens): a make e2e run on the bfloat16 twin
+    had 5 of the 64 load answers take a near-tie, each one correct."""
+
+    steps: tuple[oracle.Step, ...]
+    band: oracle.Band
+
+    @property
+    def tokens(self) -> list[int]:
+        return [s.token for s in self.steps]
+
+    def fault(self, got: Outcome) -> str | None:
+        """None where ``got`` is this answer; otherwise what it is."""
+        if got.status != 200 or got.token_ids is None:
+            return f"HTTP {got.status}: {got.body[:300]}"
+        verdict = oracle.judge_tokens(self.steps, got.token_ids, self.band)
+        if verdict.ok:
+            return None
+        return f"{got.token_ids} (reference {self.tokens}): {verdict.describe()}"
+
+    def met_by(self, got: Outcome) -> bool:
+        return self.fault(got) is None
+
+
+def judging_band(stack: Stack) -> oracle.Band:
+    """Exact tokens on an exact stack (no calibration needed); otherwise the
+    band the oracle calibrates on the stack."""
+    return oracle.Band(0.0, exact=True) if stack.epsilon == 0 else stack.band
+
+
+def wrong_answers(outcomes: list[Outcome], expected: Sequence[Expected]) -> list[int]:
+    """Which answers came back (200) other than the reference's."""
     return [
         i
         for i, (o, e) in enumerate(zip(outcomes, expected, strict=True))
-        if o.status == 200 and o.token_ids != e
+        if o.status == 200 and not e.met_by(o)
     ]
 
 
@@ -184,35 +219,51 @@ def answered_wrong(
 ) -> list[str]:
     """Every request of ``sent`` that was answered (200) during a fault,
     against its reference, asked once the stack serves again: a 200 is only
-    a success if its tokens are the reference's (a late write or KV from the
+    a success if it is the reference's answer (a late write or KV from the
     wrong request answers 200 too). What differed, one line each."""
     answered = [(body, o) for body, o in sent if o.status == 200]
     if not answered:
         return []
     expected = references(stack, [body for body, _ in answered])
-    outcomes = [o for _, o in answered]
     return [
-        f"prompt of {len(answered[i][0]['prompt'])} tokens: {outcomes[i].token_ids} "
-        f"(reference {expected[i]})"
-        for i in wrong_answers(outcomes, expected)
+        f"prompt of {len(body['prompt'])} tokens: {e.fault(o)}"
+        for (body, o), e in zip(answered, expected, strict=True)
+        if not e.met_by(o)
     ]
 
 
-def references(stack: Stack, bodies: list[dict[str, Any]]) -> list[list[int]]:
-    """Colocated answers (prefill served whole), a few at a time."""
-    answers = post_all(stack.reference, bodies, timeout=300, workers=8)
+def references(stack: Stack, bodies: list[dict[str, Any]]) -> list[Expected]:
+    """Colocated answers (prefill served whole), a few at a time, with their
+    candidates' log-probabilities."""
+    answers = post_all(
+        stack.reference, [{**b, **TRACE} for b in bodies], timeout=300, workers=8
+    )
     bad = [a for a in answers if a.status != 200 or a.token_ids is None]
     assert not bad, f"reference failed: {bad[0]}"
-    return [a.token_ids or [] for a in answers]
+    band = judging_band(stack)
+    return [
+        Expected(
+            tuple(oracle.steps(a.token_ids or [], _top_logprobs(a))),
+            band,
+        )
+        for a in answers
+    ]
+
+
+def _top_logprobs(answer: Outcome) -> list[dict[str, float]]:
+    """Per generated token its candidates; a stop token the answer leaves
+    out of its tokens may still have an entry after them."""
+    tokens = answer.token_ids or []
+    top = (answer.json()["choices"][0].get("logprobs") or {}).get("top_logprobs")
+    return (top or [])[: len(tokens)]
 
 
 def serves_exactly(stack: FaultStack, salt: int) -> None:
-    """The stack still answers through the router, equal to the reference."""
+    """The stack still answers through the router with the reference's answer."""
     body = greedy(stack.prompt(33, salt=salt), 8)
     (expected,) = references(stack, [body])
     got = post(stack.router, body, timeout=stack.bounds["request"])
-    assert got.status == 200, got.body[:300]
-    assert got.token_ids == expected
+    assert expected.met_by(got), expected.fault(got)
 
 
 # vLLM's own VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT: what a stack that does not

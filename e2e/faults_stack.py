@@ -20,7 +20,7 @@ from unittest import mock
 import pytest
 
 import faults_helpers as fh
-from conftest import FAULT_FILE_ENV, require_full_install
+from conftest import FAULT_FILE_ENV, require_full_install, twin_epsilon
 from pdstack import config, supervisor, twin
 
 # Development: PD_FAULTS_KEEP=1 leaves the fault stack running after the
@@ -85,6 +85,8 @@ def faults(request: pytest.FixtureRequest) -> Iterator[fh.FaultStack]:
         bounds=bounds,
         role_env=launch["role_env"],
         fault_file=fault_file,
+        # As the session's twin: exact where it serves float32.
+        epsilon=twin_epsilon(),
     )
     try:
         stack.idle = fh.idle_state(stack)

@@ -24,7 +24,7 @@ def test_first_token_ends_the_sequence(faults: fh.FaultStack) -> None:
     vllm-router clamps to 1 on the prefill leg."""
     prompt = faults.prompt(30, salt=3100)
     (first,) = fh.references(faults, [greedy(prompt, 1)])
-    stop: dict[str, Any] = {"ignore_eos": False, "stop_token_ids": [first[0]]}
+    stop: dict[str, Any] = {"ignore_eos": False, "stop_token_ids": [first.tokens[0]]}
     bodies = {
         "stop on token 1": greedy(prompt, 16, **stop),
         "max_tokens 1": greedy(prompt, 1),
@@ -54,9 +54,9 @@ def test_first_token_ends_the_sequence(faults: fh.FaultStack) -> None:
         f"{p.total(m.TRANSFERS):.0f}, expired {p.total(m.EXPIRED):.0f}",
     )
     assert {n: o.status for n, o in got.items()} == dict.fromkeys(bodies, 200)
-    assert {n: o.token_ids for n, o in got.items()} == expected
+    assert {n: e.fault(got[n]) for n, e in expected.items()} == dict.fromkeys(bodies)
     assert reasons["stop on token 1"] == "stop"
-    assert got["stop on token 1"].token_ids in ([], [first[0]])
+    assert got["stop on token 1"].token_ids in ([], [first.tokens[0]])
     # Bounded by the transfer (a stalled one sent again included: 11 s seen
     # in CI), not by prefill's abort timeout.
     assert slowest < fh.abort_timeout(faults) / 2
@@ -196,7 +196,7 @@ def test_client_kv_transfer_params_cannot_steer_the_transfer(
         f"decode sources {sources}",
     )
     assert [g.status for g in got] == [200] * 8
-    assert [g.token_ids for g in got] == expected
+    assert fh.wrong_answers(got, expected) == []
     assert p.total(m.TRANSFERS) >= 1
     assert p.total(m.FAILED_TRANSFERS) == 0
     assert sources.get("external_kv_transfer", 0) == tokens

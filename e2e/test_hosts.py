@@ -71,7 +71,7 @@ def test_xpyd_every_replica_serves_exact_answers(h: hh.Hosts) -> None:
     leaks = hh.wait_idle(h)
     print(f"xPyD: transfers per prefill {transfers}, tokens loaded per decode {loaded}")
     assert [g.status for g in got] == [200] * len(bodies), [g.body[:200] for g in got]
-    assert [g.token_ids for g in got] == expected
+    assert fh.wrong_answers(got, expected) == []
     assert all(v >= 1 for v in transfers.values()), transfers
     assert all(v >= 1 for v in loaded.values()), loaded
     assert sum(transfers.values()) == len(bodies)
@@ -94,7 +94,7 @@ def serves_exactly_on_every_replica(h: hh.Hosts, salt: int) -> float:
         if got.status != 200:
             time.sleep(1)
             continue
-        assert got.token_ids == expected
+        assert expected.met_by(got), expected.fault(got)
         after = hh.deltas(h, before)
         served |= {n for n, d in after.items() if d.total(m.TRANSFERS) >= 1}
         served |= {n for n, d in after.items() if d.total(m.EXTERNAL_HITS) >= 1}
@@ -117,7 +117,7 @@ def exact_streak(h: hh.Hosts, salt: int) -> tuple[int, float, list[int | None]]:
     while streak < 4 and time.monotonic() - start < h.bounds["recovery"]:
         got = fh.post(h.twin.router, body, timeout=h.bounds["request"])
         statuses.append(got.status)
-        streak = streak + 1 if got.status == 200 and got.token_ids == expected else 0
+        streak = streak + 1 if expected.met_by(got) else 0
     return streak, time.monotonic() - start, statuses
 
 
@@ -199,7 +199,7 @@ def test_a_slow_link_slows_transfers_but_keeps_them_exact(h: hh.Hosts) -> None:
         f"{floor_s:.2f}s at least)"
     )
     assert [g.status for g in got] == [200] * len(bodies)
-    assert [g.token_ids for g in got] == expected
+    assert fh.wrong_answers(got, expected) == []
     assert moved > 0 and seconds >= 0.9 * floor_s
     assert leaks == {}
 
@@ -237,11 +237,7 @@ def test_a_silent_prefill_host_fails_pulls_as_fast_as_a_dead_one(h: hh.Hosts) ->
     in_flight, after_kill_s = hh.in_flight_while(
         h, bodies, lambda: h.twin.kill("prefill-1"), after_s=0.5
     )
-    served = [
-        g
-        for g, e in zip(in_flight, expected_each, strict=True)
-        if g.status == 200 and g.token_ids == e
-    ]
+    served = [g for g, e in zip(in_flight, expected_each, strict=True) if e.met_by(g)]
     wrong = fh.wrong_answers(in_flight, expected_each)
     try:
         dead_status, dead_s = hh.direct_pull_seconds(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Stack
+from conftest import Stack, decode_fault_file
 from pd_mooncake.faults import CORRUPT_CHECKED_KV, CORRUPT_RECEIVED_KV
 from pdstack import client, config, kv_layout, oracle
 from pdstack import metrics as m
@@ -37,14 +37,6 @@ def test_request_without_transfer_does_not_count_as_external(stack: Stack) -> No
     assert delta.total(m.EXTERNAL_HITS) == 0
     assert sources.get("external_kv_transfer", 0) == 0
     assert sources.get("local_compute", 0) == 45
-
-
-SWITCH_HELP = (
-    "start decode with PD_MOONCAKE_FAULT_FILE=<path inside its container> and "
-    "that directory bind-mounted from this host (docker/compose.e2e.yaml does "
-    "both: run/e2e-fault), then pass --fault-file run/e2e-fault/fault "
-    "(make e2e does)"
-)
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +61,7 @@ def checksum_on(stack: Stack) -> bool:
 
 @pytest.fixture
 def fault_file(stack: Stack) -> Path:
-    if stack.fault_file is None:
-        pytest.skip(f"no fault switch for decode: {SWITCH_HELP}")
-    switch = m.scrape(stack.decode).labels_of(m.KV_CACHE_INFO).get("fault_switch")
-    if switch != "file":
-        pytest.skip(
-            f"decode reports fault_switch={switch!r}, not 'file': {SWITCH_HELP}"
-        )
-    return stack.fault_file
+    return decode_fault_file(stack)
 
 
 Corrupted = tuple[
