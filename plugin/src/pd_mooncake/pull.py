@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from pd_mooncake import faults, reliability, staging
+
+logger = logging.getLogger("vllm.pd_mooncake")
 
 # Set on an upstream PullReqMeta once its KV has fully arrived: the count it
 # keeps (pull_tasks_count) is also 0 before a pull starts.
@@ -55,8 +58,20 @@ class PullWorker:
         self, worker_addr: str, pull_metas: dict
     ) -> None:
         """Upstream's pull with a staging span offered (released, or held back
-        if a write may still land, when the pull is over)."""
-        offer = self._staging_offer(pull_metas)
+        if a write may still land, when the pull is over). With staging on, a
+        pull that gets no span fails with the reason, unsent: never directly
+        (late_writes)."""
+        staging.OFFER.set(None)
+        try:
+            offer = await self._staging_offer(pull_metas)
+        except staging.NoRoomError as exc:
+            logger.warning("PD Mooncake: pull of %s failed: %s", list(pull_metas), exc)
+            self._handle_failed_recv(
+                pull_metas,
+                [r for r, m in pull_metas.items() if not _loaded(m)],
+                str(exc),
+            )
+            return
         staging.OFFER.set(offer)
         settling = SETTLING.set(_Settling())
         try:
