@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -61,3 +62,17 @@ def test_a_failed_pulls_span_is_held_for_the_derived_hold() -> None:
     assert worker._arena.reserve(size) is None
     time.sleep(0.35)
     assert worker._arena.reserve(size) == 0
+
+
+def test_a_worker_with_staging_refuses_the_order_at_start_up(monkeypatch) -> None:
+    """The connector's constructor installs staging (_install_staging): the
+    check runs there, in the worker's own environment."""
+    monkeypatch.setenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "20")
+    worker = staging_worker.StagingWorker()
+    worker._encoder = object()
+    with pytest.raises(late_writes.HoldOrderError):
+        worker._install_staging({staging.KEY: 1})
+    # Staging off: nothing to hold, nothing refused.
+    off = staging_worker.StagingWorker()
+    off._encoder = msgspec.msgpack.Encoder()
+    off._install_staging({staging.KEY: 0})
