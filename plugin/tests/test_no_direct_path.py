@@ -106,11 +106,12 @@ def staging_decode() -> PDMooncakeConnectorWorker:
 
 
 def pull_with_buffer(
-    worker: PDMooncakeConnectorWorker, free_after_s: float | None
+    worker: PDMooncakeConnectorWorker, free_after_s: float | None, notice: bool = False
 ) -> tuple[dict, list[wire.XferMetadata], float]:
     """Decode's pull of d-1 with its whole staging buffer taken: held back
     for late writes (``free_after_s`` None), or by a pull in flight that ends
-    after ``free_after_s``. (pull_metas, the pulls prefill received, the
+    after ``free_after_s``; with ``notice``, a rejected request's release
+    notice in the same pull. (pull_metas, the pulls prefill received, the
     pull's seconds)."""
     arena = worker._arena
     taken = arena.reserve(arena.size)
@@ -118,6 +119,10 @@ def pull_with_buffer(
     if free_after_s is None:
         arena.release(taken, arena.size, hold_s=3600.0)
     pulls = pull_meta("127.0.0.1:1", tasks=1)
+    if notice:
+        (meta,) = pull_meta("127.0.0.1:1", tasks=1).values()
+        meta.d_req_id, meta.transfer_id, meta.local_block_ids = "d-notice", "x-2", []
+        pulls["d-notice"] = meta
 
     async def scenario() -> float:
         prefill = RecordingSideChannel(worker.async_zmq_ctx)
@@ -176,6 +181,33 @@ def test_negative_control_a_pull_with_no_room_went_direct(
     print(f"control: prefill received {len(sent)} pulls, span {sent[0].pd_staging}")
     # Sent without a span: prefill writes into decode's blocks directly.
     assert len(sent) == 1 and sent[0].pd_staging is None
+
+
+def test_a_release_notice_in_a_pull_with_no_room_still_reaches_prefill() -> None:
+    """A rejected request's notice (no blocks: prefill only frees its own)
+    rides in the same pull as requests with blocks: those fail unsent, the
+    notice still goes."""
+    worker = staging_decode()
+    pulls, sent, _ = pull_with_buffer(worker, free_after_s=None, notice=True)
+    print(f"prefill received {[list(p.req_blocks) for p in sent]}")
+    assert [list(p.req_blocks) for p in sent] == [["d-notice"]]
+    assert sent[0].pd_staging is None  # nothing to write, no span
+    assert pulls["d-1"].failed and not pulls["d-notice"].failed
+
+
+def fail_whole_pull(self: Any, pull_metas: dict, exc: Exception) -> dict:
+    """The split removed: every request of a pull with no room failed."""
+    self._handle_failed_recv(pull_metas, list(pull_metas), str(exc))
+    return {}
+
+
+def test_negative_control_without_the_split_the_notice_is_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(PDMooncakeConnectorWorker, "_fail_unstaged", fail_whole_pull)
+    worker = staging_decode()
+    _, sent, _ = pull_with_buffer(worker, free_after_s=None, notice=True)
+    assert sent == []  # prefill holds the rejected request until its timeout
 
 
 def test_a_pull_larger_than_the_whole_buffer_fails_at_once() -> None:

@@ -65,13 +65,10 @@ class PullWorker:
         try:
             offer = await self._staging_offer(pull_metas)
         except staging.NoRoomError as exc:
-            logger.warning("PD Mooncake: pull of %s failed: %s", list(pull_metas), exc)
-            self._handle_failed_recv(
-                pull_metas,
-                [r for r, m in pull_metas.items() if not _loaded(m)],
-                str(exc),
-            )
-            return
+            pull_metas = self._fail_unstaged(pull_metas, exc)
+            if not pull_metas:
+                return
+            offer = None
         staging.OFFER.set(offer)
         settling = SETTLING.set(_Settling())
         try:
@@ -80,6 +77,17 @@ class PullWorker:
             SETTLING.reset(settling)
             loaded = all(_loaded(m) for m in pull_metas.values())
             self._staging_close(offer, loaded)
+
+    def _fail_unstaged(self, pull_metas: dict, exc: Exception) -> dict:
+        """A pull staging cannot take: its requests with blocks fail, unsent.
+        The rest (a rejected request's release notice has no blocks: nothing
+        is written) still go, without a span: prefill frees its blocks on
+        that notice, not at its abort timeout. Returns the rest."""
+        rest = {r: m for r, m in pull_metas.items() if not self._staging_need({r: m})}
+        failing = [r for r, m in pull_metas.items() if r not in rest and not _loaded(m)]
+        logger.warning("PD Mooncake: pull of %s failed: %s", failing, exc)
+        self._handle_failed_recv(pull_metas, failing, str(exc))
+        return rest
 
     async def _pull_while_alive(self, worker_addr: str, pull_metas: dict) -> None:
         """Upstream's pull, failed early if its prefill is gone (reliability):
