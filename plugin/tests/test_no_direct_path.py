@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -335,3 +336,24 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_prefill_waits_for_room_in_its_buffer_while_decode_still_waits() -> None:
+    """Prefill's buffer full (records of other sends being written): a send
+    waits for room while its attempt could still end in decode's wait
+    (``may_wait``), else fails; it is never written directly."""
+    source = torch.full((BLOCK,), SENT, dtype=torch.uint8)
+    worker = StagingWorker()
+    worker._arena = staging.Arena(torch.zeros(2 * BLOCK, dtype=torch.uint8))
+    worker._kv_memory = staging.Memory([source])
+    worker._staging_memory = staging.Memory([worker._arena.buffer])
+    worker.xfer_stats = SimpleNamespace(record_staging=lambda phase, seconds: None)
+    staging.TARGET.set(staging.Target(0x1000, BLOCK, nonce=7))
+    args = ([source.data_ptr()], [0x2000], [SEND])
+    taken = worker._arena.reserve(worker._arena.size)
+    with pytest.raises(staging.NoRoomError, match="prefill's staging buffer"):
+        worker._stage_send(*args, may_wait=lambda now: False)
+    threading.Timer(0.2, worker._arena.release, (taken, worker._arena.size)).start()
+    start = time.monotonic()
+    staged = worker._stage_send(*args, may_wait=lambda now: True)
+    assert staged is not None and time.monotonic() - start >= 0.2
