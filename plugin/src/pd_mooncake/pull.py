@@ -86,7 +86,9 @@ class PullWorker:
         rest = {r: m for r, m in pull_metas.items() if not self._staging_need({r: m})}
         failing = [r for r, m in pull_metas.items() if r not in rest and not _loaded(m)]
         logger.warning("PD Mooncake: pull of %s failed: %s", failing, exc)
-        self._handle_failed_recv(pull_metas, failing, str(exc))
+        # A copy, as _pull_while_alive's: vLLM 0.33 pops each request it
+        # settles from the dict it is given, and this one other peers share.
+        self._handle_failed_recv(dict(pull_metas), failing, str(exc))
         return rest
 
     async def _pull_while_alive(self, worker_addr: str, pull_metas: dict) -> None:
