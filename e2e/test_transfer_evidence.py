@@ -108,3 +108,57 @@ def test_a_staged_transfer_takes_few_descriptors(
     descriptors = prefill.total(m.DESCRIPTORS)
     print(f"{length}-token prompt: {descriptors:.0f} descriptors, at most {most}")
     assert 1 <= descriptors <= most
+
+
+# A burst of mixed prompts before the long one: the free block lists
+# fragment, so its blocks are scattered (the direct path's worst case).
+BURST = (37, 300, 1000, 64, 2500, 7)
+
+
+def test_a_prompt_at_max_model_len_goes_staged_on_a_fragmented_cache(
+    stack: Stack, layout: kv_layout.KVLayout
+) -> None:
+    """Staging on, the longest prompt the stack serves crosses staged, never
+    directly (pd_mooncake.late_writes): prefill gathered and wrote a record
+    in at most the record's 1 MiB chunks, decode copied it into its blocks,
+    nothing failed, and decode computed only the last token."""
+    staged = [m.scrape(u).total(m.STAGING_BYTES) for u in (stack.prefill, stack.decode)]
+    if not all(staged):
+        pytest.skip(f"KV staging is off on this stack (buffer bytes {staged})")
+    max_tokens = 4
+    length = client.max_model_len(stack.decode) - max_tokens
+    client.complete_all(
+        stack.router,
+        [stack.prompt(n, salt=2000 + n) for n in BURST],
+        max_tokens=max_tokens,
+    )
+    decode0, prefill0 = m.scrape(stack.decode), m.scrape(stack.prefill)
+    client.complete(stack.router, stack.prompt(length, salt=3000), max_tokens)
+    decode = m.settle(
+        stack.decode,
+        decode0,
+        lambda d: (
+            d.total(m.PROMPT_TOKENS_BY_SOURCE) >= length
+            and d.total(m.STAGING_SECONDS) > 0
+        ),
+    )
+    prefill = m.settle(stack.prefill, prefill0, lambda d: d.total(m.TRANSFERS) >= 1)
+    sent_phases = prefill.by_label(m.STAGING_SECONDS, "phase")
+    loaded = kv_layout.tokens_loaded(length)
+    entries = layout.blocks(loaded) * layout.layers
+    record = staging.record_bytes([0] * entries) + prefill.total(m.BYTES)
+    most = -(-record // staging.CHUNK_BYTES)
+    descriptors = prefill.total(m.DESCRIPTORS)
+    print(
+        f"{length}-token prompt after a burst: {descriptors:.0f} descriptors "
+        f"(staged: at most {most}; {entries} blocks x regions), phases "
+        f"{sent_phases}, decode {decode.by_label(m.STAGING_SECONDS, 'phase')}"
+    )
+    assert prefill.total(m.TRANSFERS) == 1
+    assert prefill.total(m.FAILED_TRANSFERS) == 0
+    assert decode.total(m.FAILED_RECVS) == 0
+    assert sent_phases.get("gather", 0) > 0 and sent_phases.get("write", 0) > 0
+    assert decode.by_label(m.STAGING_SECONDS, "phase").get("scatter", 0) > 0
+    assert 1 <= descriptors <= most
+    by_source = decode.by_label(m.PROMPT_TOKENS_BY_SOURCE, "source")
+    assert by_source.get("external_kv_transfer", 0) == loaded

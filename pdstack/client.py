@@ -128,3 +128,11 @@ def tokenize(base_url: str, text: str) -> list[int]:
     )
     response.raise_for_status()
     return response.json()["tokens"]
+
+
+def max_model_len(base_url: str) -> int:
+    """The served model's max-model-len (vLLM's model card on /v1/models)."""
+    response = requests.get(f"{base_url}/v1/models", headers=headers(), timeout=30)
+    response.raise_for_status()
+    (card,) = [c for c in response.json()["data"] if c["id"] == MODEL]
+    return int(card["max_model_len"])

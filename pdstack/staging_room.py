@@ -1,9 +1,10 @@
 """The preflight's word on the KV staging buffer: how long a prompt one pull
 can send through it (pd_mooncake.staging), against max-model-len.
 
-A pull that does not fit is sent as one descriptor per block and without
-staging's late-write protection; on a large MLA model (Kimi-K2.5: 70 KB a
-token on each rank) the reference 256 MiB take a few thousand tokens.
+With staging on, a pull that does not fit fails with the reason: it is
+never sent directly, into KV blocks a late write could reach
+(pd_mooncake.late_writes). On a large MLA model (Kimi-K2.5: 70 KB a token on
+each rank) the reference 256 MiB take a few thousand tokens.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def check(result: Any, flags: Mapping[str, Any], kernel: int) -> None:
         f"the {capacity >> 20} MiB KV staging buffer (`{staging.KEY}`, "
         f"configs/vllm) takes one pull of at most {result.staged_tokens} prompt "
         f"tokens ({sum(block_bytes) // kernel} bytes a token on each rank); a "
-        f"longer one (max-model-len {longest}) is sent as one descriptor per "
-        "block, without staging's late-write protection (docs/reliability.md). "
+        f"longer one (max-model-len {longest}) fails with the reason, never sent "
+        "directly (docs/reliability.md). "
         f"{-(-need >> 20)} MiB would take every prompt, in device memory beside "
-        "gpu-memory-utilization's"
+        f"gpu-memory-utilization's; `{staging.KEY}: 0` sends every pull directly"
     )

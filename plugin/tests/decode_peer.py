@@ -23,7 +23,7 @@ DEADLINE_S = SPAWN_DEADLINE_S
 
 def decode_process(to_test: Any, from_test: Any) -> None:
     """Decode: two registered blocks; on request, reuse block 0 for another
-    request (write the canary) or report both blocks' bytes."""
+    request (write the canary), zero both, or report both blocks' bytes."""
     engine = tcp_engine()
     blocks = torch.zeros(2 * BLOCK, dtype=torch.uint8)
     engine.batch_register_memory([blocks.data_ptr()], [blocks.numel()])
@@ -33,6 +33,9 @@ def decode_process(to_test: Any, from_test: Any) -> None:
         if command == "reuse":
             blocks[:BLOCK] = CANARY
             to_test.put("reused")
+        elif command == "zero":
+            blocks.zero_()
+            to_test.put("zeroed")
         elif command == "read":
             to_test.put(blocks.numpy().tobytes())
         else:

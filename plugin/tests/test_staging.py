@@ -67,7 +67,7 @@ def _send_through_staging(scramble: bool) -> tuple[torch.Tensor, torch.Tensor, l
     blocks = random.Random(3).sample(range(64), 20)
     mine = random.Random(4).sample(range(64), 20)
     pull = {"r": SimpleNamespace(local_block_ids=[mine])}
-    offer = decode._staging_offer(pull)
+    offer = decode._staging_reserve(pull)
     assert offer is not None
     p, d = prefill_kv.data_ptr(), decode_kv.data_ptr()
     src = [p + b * BLOCK for b in blocks]
@@ -113,7 +113,7 @@ def test_a_failed_or_resent_pull_holds_its_span_back() -> None:
     decode = _worker(torch.zeros(64 * BLOCK, dtype=torch.uint8))
     pull = {"r": SimpleNamespace(local_block_ids=[[1, 2, 3]])}
     for loaded, clean in ((False, True), (True, False)):
-        offer = decode._staging_offer(pull)
+        offer = decode._staging_reserve(pull)
         offer.clean = clean
         decode._staging_close(offer, loaded)
         assert decode._arena.held() >= offer.nbytes

@@ -285,8 +285,18 @@ class PDMooncakeConnectorWorker(
                 )
                 self.xfer_stats.record_failed_transfer()
                 return -1
-            # Few large descriptors where decode offered a span (staging).
-            staged = self._stage_send(src_ptrs, dst_ptrs, lengths)
+            # Few large descriptors where decode offered a span (staging);
+            # with an offer, a send staging cannot take fails, never direct.
+            try:
+                staged = self._stage_send(
+                    src_ptrs, dst_ptrs, lengths, lambda now: not too_late(now)
+                )
+            except staging.NoRoomError as exc:
+                logger.warning(
+                    "PD Mooncake: send to %s failed: %s", remote_session, exc
+                )
+                self.xfer_stats.record_failed_transfer()
+                return -1
             if staged:
                 write = (staged.src, staged.dst, staged.lengths)
             outcome = stall_guard.write(

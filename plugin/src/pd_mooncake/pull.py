@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from pd_mooncake import faults, reliability, staging
+
+logger = logging.getLogger("vllm.pd_mooncake")
 
 # Set on an upstream PullReqMeta once its KV has fully arrived: the count it
 # keeps (pull_tasks_count) is also 0 before a pull starts.
@@ -55,8 +58,17 @@ class PullWorker:
         self, worker_addr: str, pull_metas: dict
     ) -> None:
         """Upstream's pull with a staging span offered (released, or held back
-        if a write may still land, when the pull is over)."""
-        offer = self._staging_offer(pull_metas)
+        if a write may still land, when the pull is over). With staging on, a
+        pull that gets no span fails with the reason, unsent: never directly
+        (late_writes)."""
+        staging.OFFER.set(None)
+        try:
+            offer = await self._staging_offer(pull_metas)
+        except staging.NoRoomError as exc:
+            pull_metas = self._fail_unstaged(pull_metas, exc)
+            if not pull_metas:
+                return
+            offer = None
         staging.OFFER.set(offer)
         settling = SETTLING.set(_Settling())
         try:
@@ -65,6 +77,19 @@ class PullWorker:
             SETTLING.reset(settling)
             loaded = all(_loaded(m) for m in pull_metas.values())
             self._staging_close(offer, loaded)
+
+    def _fail_unstaged(self, pull_metas: dict, exc: Exception) -> dict:
+        """A pull staging cannot take: its requests with blocks fail, unsent.
+        The rest (a rejected request's release notice has no blocks: nothing
+        is written) still go, without a span: prefill frees its blocks on
+        that notice, not at its abort timeout. Returns the rest."""
+        rest = {r: m for r, m in pull_metas.items() if not self._staging_need({r: m})}
+        failing = [r for r, m in pull_metas.items() if r not in rest and not _loaded(m)]
+        logger.warning("PD Mooncake: pull of %s failed: %s", failing, exc)
+        # A copy, as _pull_while_alive's: vLLM 0.33 pops each request it
+        # settles from the dict it is given, and this one other peers share.
+        self._handle_failed_recv(dict(pull_metas), failing, str(exc))
+        return rest
 
     async def _pull_while_alive(self, worker_addr: str, pull_metas: dict) -> None:
         """Upstream's pull, failed early if its prefill is gone (reliability):

@@ -19,17 +19,20 @@ a minute later). A copy in memory runs at 7-18 GB/s. So:
   and copies the bytes there, before the KV checksum verifies them and
   before upstream reports the requests received.
 
-Whatever does not fit (no offer, no room on prefill, a record larger than
-the span's rest) is sent directly, as upstream does. The blocks and their
+With staging on, nothing is sent directly: a pull that finds no room in
+decode's buffer waits for some or fails, and so does a send that finds none
+in prefill's or in the span's rest (``NoRoomError``; the rule and its timeouts:
+``late_writes``). Only with staging off (or no offer: a pull without
+blocks) do sends go directly, as upstream's do. The blocks and their
 layout are upstream's business throughout: the record replays upstream's
 descriptors, so every layout upstream can send, staging can.
 
 Late writes: a submission prefill stopped waiting for can still complete
 (measured on the multi-host twin: 4 of 9 descriptors landed 38 s after
 decode had failed the pull for a silent prefill and freed the blocks). A
-span whose pull failed, or whose sends were resent, is quarantined for
-``QUARANTINE_S`` rather than reused, so such writes land in the span, never
-in KV blocks decode has given to another request.
+span whose pull failed, or whose sends were resent, is held back
+(``late_writes.DecodeHold.span_hold_s``) rather than reused, so such writes
+land in the span, never in KV blocks decode has given to another request.
 
 On a GPU the buffers are allocated on the KV caches' device (registered as
 the caches are) and the copies are torch copies there; only the CPU path has
@@ -63,10 +66,6 @@ KEY = "kv_staging_mib"
 CHUNK_BYTES = 1 << 20
 # Spans start on this boundary (page-aligned copies).
 ALIGN = 4096
-# The kernel gives up retransmitting on an established TCP connection after
-# about 15.4 minutes (tcp_retries2 = 15); nothing written through one can
-# land later than that.
-QUARANTINE_S = 960.0
 MAGIC = 0x5044_4B56_5354_4731  # "PDKVSTG1"
 # Header words before the descriptor table: magic, nonce, count.
 HEAD_WORDS = 3
@@ -84,6 +83,11 @@ def head_bytes(count: int) -> int:
 def record_bytes(lengths: Sequence[int]) -> int:
     """Header and data of a record for these descriptors."""
     return head_bytes(len(lengths)) + sum(lengths)
+
+
+class NoRoomError(ValueError):
+    """A pull or a send that staging cannot take (now, or ever): failed with
+    this reason, never sent directly."""
 
 
 class Arena:

@@ -4,14 +4,17 @@ worker class; ``connector.py`` calls it in one place per hook."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pd_mooncake import staging, wire
+from pd_mooncake import late_writes, staging, wire
 
 logger = logging.getLogger("vllm.pd_mooncake")
 
@@ -31,9 +34,17 @@ class Staged:
     record: int
 
 
+# Between looks for room in a staging buffer: short against a pull, long
+# against a look (a lock and a scan of a few free spans).
+ROOM_POLL_S = 0.01
+
+
 class StagingWorker:
     staging_bytes = 0
     _arena: staging.Arena | None = None
+    # Decode's timeouts of the late-write rule (late_writes); read from the
+    # environment where the worker was not installed (tests).
+    _hold: late_writes.DecodeHold | None = None
     # The KV caches and the staging buffer, apart: decode copies only from the
     # buffer into the caches, prefill only the other way.
     _kv_memory: staging.Memory | None = None
@@ -41,6 +52,10 @@ class StagingWorker:
 
     def _install_staging(self, extra: Any) -> None:
         self.staging_bytes = int(extra.get(staging.KEY, 0)) << 20
+        if self.staging_bytes:
+            # Start-up: a hold too short or a wait too long is refused here.
+            self._hold = late_writes.DecodeHold.from_env(os.environ)
+            self._hold.check()
         encoder = wire.install(self)
         encoder.pull_fields.append(_offer_fields)
         encoder.answer_fields.append(_answer_fields)
@@ -70,28 +85,58 @@ class StagingWorker:
         )
 
     # decode -------------------------------------------------------------------
-    def _staging_offer(self, pull_metas: dict) -> staging.Offer | None:
-        """A span for this pull's KV, or None (staging off, no room)."""
-        if self._arena is None or not pull_metas:
-            return None
+    @property
+    def staging_hold(self) -> late_writes.DecodeHold:
+        if self._hold is None:
+            self._hold = late_writes.DecodeHold.from_env(os.environ)
+        return self._hold
+
+    def _staging_need(self, pull_metas: dict) -> int:
+        """Span bytes this pull's KV takes (0: nothing to stage)."""
         counts = []
         for meta in pull_metas.values():
             kernel = self._logical_to_kernel_block_ids(meta.local_block_ids)
             counts.append(max((len(g) for g in kernel), default=0))
         if not any(counts):
-            return None
-        nbytes = staging.span_bound(counts, self.block_len_per_layer)
+            return 0
+        return staging.span_bound(counts, self.block_len_per_layer)
+
+    def _staging_reserve(self, pull_metas: dict) -> staging.Offer | None:
+        """A span for this pull's KV now, or None (no room now); NoRoomError when
+        it can never fit. Staging must be on and the pull have blocks."""
+        assert self._arena is not None
+        nbytes = self._staging_need(pull_metas)
+        if nbytes > self._arena.size:
+            raise staging.NoRoomError(
+                f"KV staging: this pull takes {nbytes} bytes, the staging buffer "
+                f"has {self._arena.size} ({staging.KEY}); with staging on no pull "
+                "is sent directly (late_writes): raise it, or set it to 0"
+            )
         offset = self._arena.reserve(nbytes)
         if offset is None:
-            logger.warning(
-                "PD Mooncake: no room in the KV staging buffer for %d bytes "
-                "(%d bytes held back); pulling %s directly",
-                nbytes,
-                self._arena.held(),
-                list(pull_metas),
-            )
             return None
         return staging.Offer(offset, nbytes, self._arena.base + offset)
+
+    async def _staging_offer(self, pull_metas: dict) -> staging.Offer | None:
+        """A span for this pull's KV, waiting up to ``room_wait_s`` for one;
+        None: staging off, or nothing to stage (a pull without blocks).
+        Raises NoRoomError: the pull fails, it is never sent directly."""
+        if self._arena is None or not pull_metas or not self._staging_need(pull_metas):
+            return None
+        wait_s = self.staging_hold.room_wait_s
+        start = time.monotonic()
+        while (offer := self._staging_reserve(pull_metas)) is None:
+            if time.monotonic() - start >= wait_s:
+                raise staging.NoRoomError(
+                    f"KV staging: no room for this pull's "
+                    f"{self._staging_need(pull_metas)} bytes in {wait_s:g} s "
+                    f"({self._arena.held()} of {self._arena.size} bytes held back "
+                    "for late writes); not sent directly (late_writes)"
+                )
+            await asyncio.sleep(ROOM_POLL_S)
+        if (waited := time.monotonic() - start) > ROOM_POLL_S:
+            logger.info("PD Mooncake: a pull waited %.2fs for staging room", waited)
+        return offer
 
     def _staging_scatter(self, response: Any) -> None:
         """Before the answered requests are checked and reported received:
@@ -126,7 +171,7 @@ class StagingWorker:
         still land."""
         if offer is None or self._arena is None:
             return
-        hold = 0.0 if loaded and offer.clean else staging.QUARANTINE_S
+        hold = 0.0 if loaded and offer.clean else self.staging_hold.span_hold_s
         if hold:
             logger.warning(
                 "PD Mooncake: KV staging span of %d bytes held back for %.0fs "
@@ -138,19 +183,43 @@ class StagingWorker:
 
     # prefill ------------------------------------------------------------------
     def _stage_send(
-        self, src: list[int], dst: list[int], lengths: list[int]
+        self,
+        src: list[int],
+        dst: list[int],
+        lengths: list[int],
+        may_wait: Callable[[float], bool] = lambda now: False,
     ) -> Staged | None:
-        """This send as one record into decode's span, or None (direct)."""
+        """This send as one record into decode's span; None (direct) only
+        when decode offered none or staging is off here. Raises NoRoomError when
+        the record does not fit the span's rest, or prefill's buffer has no
+        room for it while ``may_wait(now)`` (and ``room_wait_s``) allows."""
         target = staging.TARGET.get()
         kv, buffer = self._kv_memory, self._staging_memory
         if target is None or self._arena is None or kv is None or buffer is None:
             return None
         size = staging.record_bytes(lengths)
         if target.cursor + size > target.nbytes:
-            return None
-        offset = self._arena.reserve(size)
-        if offset is None:
-            return None
+            raise staging.NoRoomError(
+                f"KV staging: a {size}-byte record does not fit the "
+                f"{target.nbytes - target.cursor} bytes left of decode's span; "
+                "not sent directly (late_writes)"
+            )
+        if size > self._arena.size:
+            raise staging.NoRoomError(
+                f"KV staging: a {size}-byte record exceeds prefill's staging "
+                f"buffer ({self._arena.size} bytes, {staging.KEY}); not sent "
+                "directly (late_writes)"
+            )
+        waited = time.monotonic()
+        while (offset := self._arena.reserve(size)) is None:
+            now = time.monotonic()
+            if now - waited >= self.staging_hold.room_wait_s or not may_wait(now):
+                raise staging.NoRoomError(
+                    f"KV staging: no room for a {size}-byte record in prefill's "
+                    f"staging buffer after {now - waited:.1f} s; not sent "
+                    "directly (late_writes)"
+                )
+            time.sleep(ROOM_POLL_S)
         start = time.monotonic()
         at = self._arena.base + offset
         head = staging.header(target.nonce, dst, lengths)
