@@ -1,9 +1,9 @@
 """The preflight's word on the KV staging buffer: how long a prompt one pull
 can send through it (pd_mooncake.staging), against max-model-len.
 
-With staging on, a pull that does not fit fails with the reason: it is
-never sent directly, into KV blocks a late write could reach
-(pd_mooncake.late_writes). On a large MLA model (Kimi-K2.5: 70 KB a token on
+A pull longer than the whole buffer goes directly, one descriptor per block
+and without the late-write protection (pd_mooncake.late_writes), until pulls
+cross staging in chunks (issue 26). On a large MLA model (Kimi-K2.5: 70 KB a token on
 each rank) the reference 256 MiB take a few thousand tokens.
 """
 

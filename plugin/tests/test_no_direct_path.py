@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import socket
 import threading
 import time
@@ -211,12 +212,20 @@ def test_negative_control_without_the_split_the_notice_is_lost(
     assert sent == []  # prefill holds the rejected request until its timeout
 
 
-def test_a_pull_larger_than_the_whole_buffer_fails_at_once() -> None:
+def test_a_pull_larger_than_the_whole_buffer_goes_direct_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Until pulls cross staging in chunks: direct, as before, at once (no
+    wait for room that can never come), with a warning."""
     worker = staging_decode()
     pulls = pull_meta("127.0.0.1:1", tasks=1)
     pulls["d-1"].local_block_ids = [list(range(300))]  # 300 blocks > 1 MiB
-    with pytest.raises(staging.NoRoomError, match="takes"):
-        worker._staging_reserve(pulls)
+    with caplog.at_level(logging.WARNING, logger="vllm.pd_mooncake"):
+        start = time.monotonic()
+        assert asyncio.run(worker._staging_offer(pulls)) is None
+    assert time.monotonic() - start < 1.0
+    assert "without the late-write protection" in caplog.text
+    assert worker._arena.held() == 0
 
 
 # -- prefill: a record that does not fit decode's span -----------------------------

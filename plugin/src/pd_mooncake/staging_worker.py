@@ -106,12 +106,6 @@ class StagingWorker:
         it can never fit. Staging must be on and the pull have blocks."""
         assert self._arena is not None
         nbytes = self._staging_need(pull_metas)
-        if nbytes > self._arena.size:
-            raise staging.NoRoomError(
-                f"KV staging: this pull takes {nbytes} bytes, the staging buffer "
-                f"has {self._arena.size} ({staging.KEY}); with staging on no pull "
-                "is sent directly (late_writes): raise it, or set it to 0"
-            )
         offset = self._arena.reserve(nbytes)
         if offset is None:
             return None
@@ -121,7 +115,25 @@ class StagingWorker:
         """A span for this pull's KV, waiting up to ``room_wait_s`` for one;
         None: staging off, or nothing to stage (a pull without blocks).
         Raises NoRoomError: the pull fails, it is never sent directly."""
-        if self._arena is None or not pull_metas or not self._staging_need(pull_metas):
+        if self._arena is None or not pull_metas:
+            return None
+        need = self._staging_need(pull_metas)
+        if not need:
+            return None
+        if need > self._arena.size:
+            # Until a pull crosses staging in chunks (issue 26), one longer
+            # than the whole buffer goes directly, as it always did: without
+            # the late-write protection, said here. Failing it would refuse
+            # most long-context traffic (Kimi-K2.5 over 3,776 tokens at the
+            # default 256 MiB).
+            logger.warning(
+                "PD Mooncake: pull of %s takes %d bytes, over the %d of the KV "
+                f"staging buffer ({staging.KEY}): pulled directly, without the "
+                "late-write protection",
+                list(pull_metas),
+                need,
+                self._arena.size,
+            )
             return None
         wait_s = self.staging_hold.room_wait_s
         start = time.monotonic()
