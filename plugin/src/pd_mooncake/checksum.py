@@ -38,6 +38,7 @@ every host). Why this one:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
@@ -261,7 +262,14 @@ class ChecksumWorker:
 
     def _kv_digests(self, block_ids_by_group: list[list[int]]) -> list[int | None]:
         """Per registered region, the digest of these logical blocks (None
-        where the region's group has none)."""
+        where the region's group has none), read after the forward's KV
+        writes and decode's scatter (staging_worker._kv_ordered: the staging
+        stream, no device-wide wait)."""
+        ordered = getattr(self, "_kv_ordered", contextlib.nullcontext)
+        with ordered():
+            return self._kv_digests_now(block_ids_by_group)
+
+    def _kv_digests_now(self, block_ids_by_group: list[list[int]]) -> list[int | None]:
         kernel = self._logical_to_kernel_block_ids(block_ids_by_group)
         out: list[torch.Tensor | None] = []
         # One index tensor per group and device, shared by its regions.

@@ -4,6 +4,7 @@ worker class; ``connector.py`` calls it in one place per hook."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pd_mooncake import staging, wire
+from pd_mooncake import device_copy, staging, wire
 
 logger = logging.getLogger("vllm.pd_mooncake")
 
@@ -38,6 +39,8 @@ class StagingWorker:
     # buffer into the caches, prefill only the other way.
     _kv_memory: staging.Memory | None = None
     _staging_memory: staging.Memory | None = None
+    # The staging stream and the forward stream's KV-ready mark (device_copy).
+    _ordering: device_copy.Ordering | None = None
 
     def _install_staging(self, extra: Any) -> None:
         self.staging_bytes = int(extra.get(staging.KEY, 0)) << 20
@@ -46,15 +49,22 @@ class StagingWorker:
         encoder.answer_fields.append(_answer_fields)
 
     def _register_staging(self) -> None:
-        """After the KV caches: the staging buffer on their device, registered
-        with Mooncake like them."""
-        if not self.staging_bytes:
-            return
+        """After the KV caches: the staging buffer, registered with Mooncake
+        like them, where ``staging_home`` says."""
         tensors = list(self.device_kv_caches.values())
         device = tensors[0].device
+        self._ordering = device_copy.Ordering(device)
+        if not self.staging_bytes:
+            return
+        home = staging_home(getattr(self, "protocol", "rdma"), device)
         # Zeroed now: the first transfers through a span would otherwise pay
         # for the kernel mapping its pages in.
-        buffer = torch.zeros(self.staging_bytes, dtype=torch.uint8, device=device)
+        buffer = torch.zeros(
+            self.staging_bytes,
+            dtype=torch.uint8,
+            device=home,
+            pin_memory=home.type == "cpu" and device.type == "cuda",
+        )
         if self.engine.register_memory(buffer.data_ptr(), buffer.numel()) != 0:
             raise RuntimeError(
                 f"PD Mooncake: registering the {self.staging_bytes >> 20} MiB KV "
@@ -64,10 +74,33 @@ class StagingWorker:
         self._kv_memory = staging.Memory(tensors)
         self._staging_memory = staging.Memory([buffer])
         logger.info(
-            "PD Mooncake: KV staging buffer %d MiB on %s",
+            "PD Mooncake: KV staging buffer %d MiB on %s%s",
             self.staging_bytes >> 20,
             buffer.device,
+            " (pinned)" if buffer.is_pinned() else "",
         )
+        if home.type == "cuda":
+            # Allocated after vLLM sized its KV cache from
+            # gpu_memory_utilization: outside its budget (docs/gpu.md).
+            logger.warning(
+                "PD Mooncake: the %d MiB KV staging buffer is device memory "
+                "outside vLLM's gpu_memory_utilization; leave that much free "
+                "(docs/gpu.md, 'KV staging memory')",
+                self.staging_bytes >> 20,
+            )
+
+    def _mark_kv_ready(self) -> None:
+        """The worker's main thread, before each step's forward is enqueued
+        (connector.bind_connector_metadata): see device_copy.Ordering."""
+        if self._ordering is not None:
+            self._ordering.mark_kv_ready()
+
+    def _kv_ordered(self) -> contextlib.AbstractContextManager[Any]:
+        """Reads and writes of KV memory from a connector thread, ordered after
+        the forward's KV writes (the checksum's digests use it too)."""
+        if self._ordering is None:
+            return contextlib.nullcontext()
+        return self._ordering.staged()
 
     # decode -------------------------------------------------------------------
     def _staging_offer(self, pull_metas: dict) -> staging.Offer | None:
@@ -107,18 +140,23 @@ class StagingWorker:
         buffer = self._staging_memory
         start = time.monotonic()
         at = offer.address + record
-        head = buffer.read_words(at, staging.HEAD_WORDS)
-        magic, nonce, count = (int(w) for w in head)
-        if magic != staging.MAGIC or nonce != offer.nonce:
-            raise ValueError("KV staging: no record of this pull where the answer says")
-        table = buffer.read_words(at + 8 * staging.HEAD_WORDS, 2 * count)
-        dsts, lengths = table[:count].tolist(), table[count:].tolist()
-        size = staging.record_bytes(lengths)
-        if record + size > offer.nbytes:
-            raise ValueError(f"KV staging: a {size}-byte record overruns the span")
-        data = at + staging.head_bytes(count)
-        srcs = [data + o for o in staging.offsets(lengths)]
-        staging.copy(self._kv_memory, dsts, buffer, srcs, lengths)
+        with self._kv_ordered():
+            head = buffer.read_words(at, staging.HEAD_WORDS)
+            magic, nonce, count = (int(w) for w in head)
+            if magic != staging.MAGIC or nonce != offer.nonce:
+                raise ValueError(
+                    "KV staging: no record of this pull where the answer says"
+                )
+            table = buffer.read_words(at + 8 * staging.HEAD_WORDS, 2 * count)
+            dsts, lengths = table[:count].tolist(), table[count:].tolist()
+            size = staging.record_bytes(lengths)
+            if record + size > offer.nbytes:
+                raise ValueError(f"KV staging: a {size}-byte record overruns the span")
+            data = at + staging.head_bytes(count)
+            srcs = [data + o for o in staging.offsets(lengths)]
+            device_copy.move(self._kv_memory, dsts, buffer, srcs, lengths)
+        # The host waited for the scatter (only): the checksum and the next
+        # forward read these blocks.
         self.xfer_stats.record_staging("scatter", time.monotonic() - start)
 
     def _staging_close(self, offer: staging.Offer | None, loaded: bool) -> None:
@@ -155,11 +193,18 @@ class StagingWorker:
         at = self._arena.base + offset
         head = staging.header(target.nonce, dst, lengths)
         try:
-            buffer.write_words(at, head)
-            data = at + head.nbytes
-            staging.copy(
-                buffer, [data + o for o in staging.offsets(lengths)], kv, src, lengths
-            )
+            # The gather waits for the forward's KV writes (a mark), and the
+            # host for the gather: Mooncake reads the buffer outside streams.
+            with self._kv_ordered():
+                buffer.write_words(at, head)
+                data = at + head.nbytes
+                device_copy.move(
+                    buffer,
+                    [data + o for o in staging.offsets(lengths)],
+                    kv,
+                    src,
+                    lengths,
+                )
         except ValueError:
             self._arena.release(offset, size)
             raise
@@ -183,6 +228,17 @@ class StagingWorker:
             staged.target.record = staged.record
         if resends or not ok:
             staged.target.unsettled = True
+
+
+def staging_home(protocol: str, kv_device: torch.device) -> torch.device:
+    """Where the staging buffer lives. KV on a GPU: over TCP, pinned host
+    memory (Mooncake's TCP transport copies device memory to the host before
+    the socket; a host buffer is that copy, done by the gather); over RDMA,
+    the KV's device (GPUDirect: the NIC reads and writes GPU memory, and a
+    host buffer would add a crossing of PCIe). KV in host memory: there."""
+    if kv_device.type == "cuda" and protocol == "tcp":
+        return torch.device("cpu")
+    return kv_device
 
 
 def _offer_fields() -> dict[str, Any]:
