@@ -188,9 +188,7 @@ def test_copy_without_a_mark_runs_on_the_host_stand_ins(monkeypatch) -> None:
 
 
 def test_the_staging_buffer_lives_where_the_transport_reads() -> None:
-    from pd_mooncake.staging_worker import staging_home
-
     gpu = torch.device("cuda", 3)
-    assert staging_home("tcp", gpu) == torch.device("cpu")  # pinned host
-    assert staging_home("rdma", gpu) == gpu  # GPUDirect
-    assert staging_home("tcp", torch.device("cpu")) == torch.device("cpu")
+    assert device_copy.staging_home("tcp", gpu) == torch.device("cpu")  # pinned host
+    assert device_copy.staging_home("rdma", gpu) == gpu  # GPUDirect
+    assert device_copy.staging_home("tcp", torch.device("cpu")) == torch.device("cpu")

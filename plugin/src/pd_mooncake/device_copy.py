@@ -51,6 +51,19 @@ if TYPE_CHECKING:
     import torch
 
 
+def staging_home(protocol: str, kv_device: torch.device) -> torch.device:
+    """Where the staging buffer lives. KV on a GPU: over TCP, pinned host
+    memory (Mooncake's TCP transport copies device memory to the host before
+    the socket; a host buffer is that copy, done by the gather); over RDMA,
+    the KV's device (GPUDirect: the NIC reads and writes GPU memory, and a
+    host buffer would add a crossing of PCIe). KV in host memory: there."""
+    import torch
+
+    if kv_device.type == "cuda" and protocol == "tcp":
+        return torch.device("cpu")
+    return kv_device
+
+
 class Memory:
     """Registered memory (the KV caches, or the staging buffer): which tensor
     holds an address."""

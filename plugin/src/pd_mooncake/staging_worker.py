@@ -56,7 +56,7 @@ class StagingWorker:
         self._ordering = device_copy.Ordering(device)
         if not self.staging_bytes:
             return
-        home = staging_home(getattr(self, "protocol", "rdma"), device)
+        home = device_copy.staging_home(getattr(self, "protocol", "rdma"), device)
         # Zeroed now: the first transfers through a span would otherwise pay
         # for the kernel mapping its pages in.
         buffer = torch.zeros(
@@ -228,17 +228,6 @@ class StagingWorker:
             staged.target.record = staged.record
         if resends or not ok:
             staged.target.unsettled = True
-
-
-def staging_home(protocol: str, kv_device: torch.device) -> torch.device:
-    """Where the staging buffer lives. KV on a GPU: over TCP, pinned host
-    memory (Mooncake's TCP transport copies device memory to the host before
-    the socket; a host buffer is that copy, done by the gather); over RDMA,
-    the KV's device (GPUDirect: the NIC reads and writes GPU memory, and a
-    host buffer would add a crossing of PCIe). KV in host memory: there."""
-    if kv_device.type == "cuda" and protocol == "tcp":
-        return torch.device("cpu")
-    return kv_device
 
 
 def _offer_fields() -> dict[str, Any]:
