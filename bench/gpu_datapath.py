@@ -78,7 +78,22 @@ def runs(src_ids: list[int], dst_ids: list[int]) -> list[list[int]]:
     return out
 
 
+def _preload_cuda_runtime() -> None:
+    """Mooncake's CUDA build links libcudart; on a machine whose CUDA runtime
+    is PyTorch's pip package (nvidia/cuda_runtime) it is not on the loader's
+    path: load it by soname first."""
+    import ctypes
+    import glob
+
+    for entry in sys.path:
+        for lib in glob.glob(f"{entry}/nvidia/cuda_runtime/lib/libcudart.so.*"):
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+            return
+
+
 def engine() -> Any:
+    if torch.cuda.is_available():
+        _preload_cuda_runtime()
     from mooncake.engine import TransferEngine
 
     e = TransferEngine()
@@ -311,6 +326,7 @@ def run(opts: argparse.Namespace) -> dict:
             "bytes_match": got["hash"] == want_hash,
             "device_wide_syncs": syncs.calls,
             "forward_waited": forward_note,
+            "mooncake": sys.modules["mooncake.engine"].__file__,
         }
     finally:
         decode.close()
@@ -332,6 +348,7 @@ def report(r: dict) -> str:
             f"  digest: {r['digest_ms']:.1f} ms",
             f"forward stream waited on: {r['forward_waited']} "
             f"(torch.cuda.synchronize calls: {r['device_wide_syncs']})",
+            f"mooncake engine: {r['mooncake']}",
         ]
     )
 

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-datapath-check"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPT = SCRIPTS / "gpu-datapath-check"
+# The device machine's carry limit (docs/gpu.md, "KV staging memory").
+CARRY_BYTES = 64 << 20
 
 
 def check(*args: str) -> subprocess.CompletedProcess:
@@ -38,6 +41,32 @@ def test_staged_blocks_arrive_verified_without_waiting_on_the_forward_stream() -
     assert r["device_wide_syncs"] == 0
     assert r["forward_waited"].startswith("no")
     print(json.dumps(r))
+
+
+def test_the_check_runs_on_a_carried_engine_that_fits_the_carry(tmp_path) -> None:
+    """scripts/mooncake-carry from the installed package: the check imports
+    the carried engine (not the installed one), which fits in 64 MiB with
+    the host libraries it needs."""
+    import mooncake
+
+    site = Path(mooncake.__file__).parents[1]
+    out = tmp_path / "mooncake-carry"
+    subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "mooncake-carry"),
+            str(site),
+            str(out),
+            "--system",
+        ],
+        check=True,
+        timeout=120,
+    )
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    assert size < CARRY_BYTES
+    run = check("--mooncake", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert result(run)["mooncake"].startswith(str(out))
 
 
 def test_a_byte_changed_after_the_digest_fails_the_check() -> None:
