@@ -34,6 +34,15 @@ def check(result: Any, flags: Mapping[str, Any], kernel: int) -> None:
         f"tokens ({sum(block_bytes) // kernel} bytes a token on each rank); a "
         f"longer one (max-model-len {longest}) is sent as one descriptor per "
         "block, without staging's late-write protection (docs/reliability.md). "
-        f"{-(-need >> 20)} MiB would take every prompt, in device memory beside "
-        "gpu-memory-utilization's"
+        f"{-(-need >> 20)} MiB would take every prompt, in {_home(extra)}"
+    )
+
+
+def _home(extra: Mapping[str, Any]) -> str:
+    """Where the plugin puts the buffer (pd_mooncake.device_copy.staging_home)."""
+    if extra.get("mooncake_protocol", "rdma") == "tcp":
+        return "pinned host memory (mooncake_protocol tcp)"
+    return (
+        "device memory outside gpu-memory-utilization's (RDMA: lower it by "
+        "that many MiB over the GPU's, docs/gpu.md 'KV staging memory')"
     )
