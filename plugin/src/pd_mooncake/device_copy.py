@@ -288,8 +288,18 @@ def _move_rows(
             torch.index_select(src, 0, index, out=dst[d_span])
             return
         rows = src.index_select(0, index)
-    if not same:
-        # Device <-> pinned host staging buffer: one transfer of the rows.
+    if not same and dst.device.type == "cpu":
+        # Device to pinned host (prefill's gather): the copy into the buffer
+        # is the transfer, a stream operation the host waits for (staged()).
+        # Never ``.to("cpu", non_blocking=True)`` then a host copy: the host
+        # copy would read the rows before the transfer landed.
+        if d_span is not None:
+            dst[d_span].copy_(rows, non_blocking=True)
+            return
+        rows = rows.to("cpu")
+    elif not same:
+        # Pinned host to device (decode's scatter): ordered on this stream
+        # before the index_copy_ that reads it.
         rows = rows.to(dst.device, non_blocking=True)
     if d_span is not None:
         dst[d_span].copy_(rows, non_blocking=True)
