@@ -51,8 +51,11 @@ class StagingWorker:
     def _register_staging(self) -> None:
         """After the KV caches: the staging buffer, registered with Mooncake
         like them, where ``staging_home`` says."""
-        tensors = list(self.device_kv_caches.values())
+        tensors = list(getattr(self, "device_kv_caches", {}).values())
+        if not tensors:
+            return
         device = tensors[0].device
+        # Also without a buffer: the checksum's digests use the ordering.
         self._ordering = device_copy.Ordering(device)
         if not self.staging_bytes:
             return
