@@ -129,6 +129,14 @@ PREFLIGHT_ARGS ?=
 preflight: install ## GPU preflight: would vLLM's CUDA selector take each profile's flags?
 	$(PY) -m pdstack.preflight $(PREFLIGHT_ARGS)
 
+# `make gpu-datapath-check [GPU_CHECK_ARGS="--mooncake DIR"]`: KV staging's
+# data path on this machine's GPU (CPU tensors without one; make test runs
+# that): docs/gpu.md, "KV staging memory".
+GPU_CHECK_ARGS ?=
+gpu-datapath-check: ## KV staging on the GPU: bytes verified, gather/write/scatter times, forward stream waited on?
+	$(PY) scripts/gpu-datapath-check $(GPU_CHECK_ARGS)
+.PHONY: gpu-datapath-check
+
 # `make profile NAME=my-model TARGET_CONFIG=/path/config.json
 # [DRAFT_CONFIG=/path/draft/config.json] [PROFILE_ARGS="--draft-method mtp
 # --gpu H200"]`: bring your own model (docs/models.md).

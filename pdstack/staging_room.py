@@ -33,8 +33,17 @@ def check(result: Any, flags: Mapping[str, Any], kernel: int) -> None:
         f"the {capacity >> 20} MiB KV staging buffer (`{staging.KEY}`, "
         f"configs/vllm) takes one pull of at most {result.staged_tokens} prompt "
         f"tokens ({sum(block_bytes) // kernel} bytes a token on each rank); a "
-        f"longer one (max-model-len {longest}) fails with the reason, never sent "
-        "directly (docs/reliability.md). "
-        f"{-(-need >> 20)} MiB would take every prompt, in device memory beside "
-        f"gpu-memory-utilization's; `{staging.KEY}: 0` sends every pull directly"
+        f"longer one (max-model-len {longest}) is sent as one descriptor per "
+        "block, without staging's late-write protection (docs/reliability.md). "
+        f"{-(-need >> 20)} MiB would take every prompt, in {_home(extra)}"
+    )
+
+
+def _home(extra: Mapping[str, Any]) -> str:
+    """Where the plugin puts the buffer (pd_mooncake.device_copy.staging_home)."""
+    if extra.get("mooncake_protocol", "rdma") == "tcp":
+        return "pinned host memory (mooncake_protocol tcp)"
+    return (
+        "device memory outside gpu-memory-utilization's (RDMA: lower it by "
+        "that many MiB over the GPU's, docs/gpu.md 'KV staging memory')"
     )

@@ -140,22 +140,3 @@ def test_chunks_cover_the_record_exactly() -> None:
     assert sum(lengths) == n and len(src) == 4
     assert [d - s for s, d in zip(src, dst, strict=True)] == [4000] * 4
     assert src == [1000 + i * staging.CHUNK_BYTES for i in range(4)]
-
-
-def test_device_copies_wait_on_the_devices_they_ran_on(monkeypatch) -> None:
-    """A GPU faked (none here): the copies of a TP rank whose caches are on
-    cuda:5 run from a sender thread whose current device is 0; the copy must
-    wait for cuda:5, not for the thread's current device."""
-    kv = staging.Memory([torch.zeros(2 * BLOCK, dtype=torch.uint8)])
-    buffer_tensor = torch.full((2 * BLOCK,), 3, dtype=torch.uint8)
-    buffer = staging.Memory([buffer_tensor])
-    rank5 = torch.device("cuda", 5)
-    for memory in (kv, buffer):
-        memory.devices = {rank5}
-    waited: list[object] = []
-    monkeypatch.setattr(
-        torch.cuda, "synchronize", lambda device=None: waited.append(device)
-    )
-    staging.copy(kv, [_base(kv)], buffer, [buffer_tensor.data_ptr()], [BLOCK])
-    assert waited == [rank5]
-    assert kv.view(_base(kv), BLOCK).eq(3).all()

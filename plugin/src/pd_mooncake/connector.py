@@ -491,6 +491,15 @@ class PDMooncakeConnector(upstream.MooncakeConnector):
             guard.finished(request.request_id, delayed)
         return delayed, params
 
+    # -- worker side: the forward stream's KV-ready mark --------------------------
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """The model runner binds before each step's forward, on the worker's
+        main thread (its current stream is the forward's): the mark the
+        staging copies wait on (device_copy.Ordering)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.connector_worker is not None:
+            self.connector_worker._mark_kv_ready()
+
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         if self.transfer_guard is not None:

@@ -34,16 +34,16 @@ span whose pull failed, or whose sends were resent, is held back
 (``late_writes.DecodeHold.span_hold_s``) rather than reused, so such writes
 land in the span, never in KV blocks decode has given to another request.
 
-On a GPU the buffers are allocated on the KV caches' device (registered as
-the caches are) and the copies are torch copies there; only the CPU path has
-been run (no GPU here).
+How the bytes are copied (one indexed copy per region, on a stream of the
+worker's own ordered after the forward pass's KV writes) and where the
+staging buffer lives (pinned host memory over TCP, device memory over RDMA)
+is pd_mooncake.device_copy's and staging_worker's; only the CPU path has
+been run (no GPU here): ``scripts/gpu-datapath-check`` runs it on one.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextvars
-import ctypes
 import itertools
 import secrets
 import threading
@@ -51,6 +51,9 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+# How bytes move lives in device_copy; importable from here as before.
+from pd_mooncake.device_copy import Memory, copy  # noqa: F401
 
 # numpy and torch inside the functions that touch memory: the record's
 # arithmetic below is what the e2e suite imports, from a client venv with
@@ -142,85 +145,6 @@ class Arena:
             else:
                 merged.append((offset, size))
         self._free = merged
-
-
-class Memory:
-    """Registered memory (the KV caches, or the staging buffer): which tensor
-    holds an address."""
-
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        import torch
-
-        storages: dict[int, torch.Tensor] = {}
-        for t in tensors:
-            s = t.untyped_storage()
-            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s)
-            storages[s.data_ptr()] = flat
-        self._starts = sorted(storages)
-        self._tensors = [storages[a] for a in self._starts]
-        # The devices other than the CPU this memory lies on (none: host memory).
-        self.devices = {t.device for t in self._tensors if t.device.type != "cpu"}
-
-    def _find(self, addr: int, nbytes: int) -> tuple[torch.Tensor, int] | None:
-        i = bisect.bisect_right(self._starts, addr) - 1
-        if i < 0 or nbytes < 0:
-            return None
-        offset = addr - self._starts[i]
-        flat = self._tensors[i]
-        return (flat, offset) if offset + nbytes <= flat.numel() else None
-
-    def contains(self, addr: int, nbytes: int) -> bool:
-        return self._find(addr, nbytes) is not None
-
-    def view(self, addr: int, nbytes: int) -> torch.Tensor:
-        found = self._find(addr, nbytes)
-        if found is None:
-            raise ValueError(f"{nbytes} bytes at {addr:#x} are not registered memory")
-        flat, offset = found
-        return flat[offset : offset + nbytes]
-
-    def read_words(self, addr: int, count: int) -> np.ndarray:
-        import numpy as np
-
-        return self.view(addr, count * 8).cpu().numpy().view(np.uint64)
-
-    def write_words(self, addr: int, words: np.ndarray) -> None:
-        import numpy as np
-        import torch
-
-        data = torch.from_numpy(words.view(np.uint8).copy())
-        self.view(addr, words.nbytes).copy_(data)
-
-
-def copy(
-    to: Memory,
-    dsts: Sequence[int],
-    source: Memory,
-    srcs: Sequence[int],
-    lengths: Sequence[int],
-) -> None:
-    """Each ``lengths[i]`` bytes from ``srcs[i]`` in ``source`` to ``dsts[i]``
-    in ``to``; every range is checked before the first copy (decode reads the
-    destinations from the network)."""
-    for memory, addrs in ((to, dsts), (source, srcs)):
-        for addr, n in zip(addrs, lengths, strict=True):
-            if not memory.contains(addr, n):
-                raise ValueError(f"{n} bytes at {addr:#x} are not registered memory")
-    if not to.devices and not source.devices:
-        for d, s, n in zip(dsts, srcs, lengths, strict=True):
-            ctypes.memmove(d, s, n)
-        return
-    for d, s, n in zip(dsts, srcs, lengths, strict=True):
-        to.view(d, n).copy_(source.view(s, n), non_blocking=True)
-    # The copies run from a sender thread, whose current CUDA device is 0
-    # whatever the worker's (a tensor-parallel rank's caches are on its own):
-    # wait on the devices they ran on. Prefill's write reads the buffer
-    # through Mooncake, outside any stream, and decode's checksum and forward
-    # follow; both need the bytes in place.
-    import torch
-
-    for device in to.devices | source.devices:
-        torch.cuda.synchronize(device)
 
 
 # -- decode: the span offered in one pull ---------------------------------------

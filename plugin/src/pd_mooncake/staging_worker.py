@@ -5,6 +5,7 @@ worker class; ``connector.py`` calls it in one place per hook."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pd_mooncake import late_writes, staging, wire
+from pd_mooncake import device_copy, late_writes, staging, wire
 
 logger = logging.getLogger("vllm.pd_mooncake")
 
@@ -49,6 +50,8 @@ class StagingWorker:
     # buffer into the caches, prefill only the other way.
     _kv_memory: staging.Memory | None = None
     _staging_memory: staging.Memory | None = None
+    # The staging stream and the forward stream's KV-ready mark (device_copy).
+    _ordering: device_copy.Ordering | None = None
 
     def _install_staging(self, extra: Any) -> None:
         self.staging_bytes = int(extra.get(staging.KEY, 0)) << 20
@@ -61,15 +64,25 @@ class StagingWorker:
         encoder.answer_fields.append(_answer_fields)
 
     def _register_staging(self) -> None:
-        """After the KV caches: the staging buffer on their device, registered
-        with Mooncake like them."""
+        """After the KV caches: the staging buffer, registered with Mooncake
+        like them, where ``staging_home`` says."""
+        tensors = list(getattr(self, "device_kv_caches", {}).values())
+        if not tensors:
+            return
+        device = tensors[0].device
+        # Also without a buffer: the checksum's digests use the ordering.
+        self._ordering = device_copy.Ordering(device)
         if not self.staging_bytes:
             return
-        tensors = list(self.device_kv_caches.values())
-        device = tensors[0].device
+        home = device_copy.staging_home(getattr(self, "protocol", "rdma"), device)
         # Zeroed now: the first transfers through a span would otherwise pay
         # for the kernel mapping its pages in.
-        buffer = torch.zeros(self.staging_bytes, dtype=torch.uint8, device=device)
+        buffer = torch.zeros(
+            self.staging_bytes,
+            dtype=torch.uint8,
+            device=home,
+            pin_memory=home.type == "cpu" and device.type == "cuda",
+        )
         if self.engine.register_memory(buffer.data_ptr(), buffer.numel()) != 0:
             raise RuntimeError(
                 f"PD Mooncake: registering the {self.staging_bytes >> 20} MiB KV "
@@ -79,10 +92,33 @@ class StagingWorker:
         self._kv_memory = staging.Memory(tensors)
         self._staging_memory = staging.Memory([buffer])
         logger.info(
-            "PD Mooncake: KV staging buffer %d MiB on %s",
+            "PD Mooncake: KV staging buffer %d MiB on %s%s",
             self.staging_bytes >> 20,
             buffer.device,
+            " (pinned)" if buffer.is_pinned() else "",
         )
+        if home.type == "cuda":
+            # Allocated after vLLM sized its KV cache from
+            # gpu_memory_utilization: outside its budget (docs/gpu.md).
+            logger.warning(
+                "PD Mooncake: the %d MiB KV staging buffer is device memory "
+                "outside vLLM's gpu_memory_utilization; leave that much free "
+                "(docs/gpu.md, 'KV staging memory')",
+                self.staging_bytes >> 20,
+            )
+
+    def _mark_kv_ready(self) -> None:
+        """The worker's main thread, before each step's forward is enqueued
+        (connector.bind_connector_metadata): see device_copy.Ordering."""
+        if self._ordering is not None:
+            self._ordering.mark_kv_ready()
+
+    def _kv_ordered(self) -> contextlib.AbstractContextManager[Any]:
+        """Reads and writes of KV memory from a connector thread, ordered after
+        the forward's KV writes (the checksum's digests use it too)."""
+        if self._ordering is None:
+            return contextlib.nullcontext()
+        return self._ordering.staged()
 
     # decode -------------------------------------------------------------------
     @property
@@ -164,18 +200,23 @@ class StagingWorker:
         buffer = self._staging_memory
         start = time.monotonic()
         at = offer.address + record
-        head = buffer.read_words(at, staging.HEAD_WORDS)
-        magic, nonce, count = (int(w) for w in head)
-        if magic != staging.MAGIC or nonce != offer.nonce:
-            raise ValueError("KV staging: no record of this pull where the answer says")
-        table = buffer.read_words(at + 8 * staging.HEAD_WORDS, 2 * count)
-        dsts, lengths = table[:count].tolist(), table[count:].tolist()
-        size = staging.record_bytes(lengths)
-        if record + size > offer.nbytes:
-            raise ValueError(f"KV staging: a {size}-byte record overruns the span")
-        data = at + staging.head_bytes(count)
-        srcs = [data + o for o in staging.offsets(lengths)]
-        staging.copy(self._kv_memory, dsts, buffer, srcs, lengths)
+        with self._kv_ordered():
+            head = buffer.read_words(at, staging.HEAD_WORDS)
+            magic, nonce, count = (int(w) for w in head)
+            if magic != staging.MAGIC or nonce != offer.nonce:
+                raise ValueError(
+                    "KV staging: no record of this pull where the answer says"
+                )
+            table = buffer.read_words(at + 8 * staging.HEAD_WORDS, 2 * count)
+            dsts, lengths = table[:count].tolist(), table[count:].tolist()
+            size = staging.record_bytes(lengths)
+            if record + size > offer.nbytes:
+                raise ValueError(f"KV staging: a {size}-byte record overruns the span")
+            data = at + staging.head_bytes(count)
+            srcs = [data + o for o in staging.offsets(lengths)]
+            device_copy.move(self._kv_memory, dsts, buffer, srcs, lengths)
+        # The host waited for the scatter (only): the checksum and the next
+        # forward read these blocks.
         self.xfer_stats.record_staging("scatter", time.monotonic() - start)
 
     def _staging_close(self, offer: staging.Offer | None, loaded: bool) -> None:
@@ -236,11 +277,18 @@ class StagingWorker:
         at = self._arena.base + offset
         head = staging.header(target.nonce, dst, lengths)
         try:
-            buffer.write_words(at, head)
-            data = at + head.nbytes
-            staging.copy(
-                buffer, [data + o for o in staging.offsets(lengths)], kv, src, lengths
-            )
+            # The gather waits for the forward's KV writes (a mark), and the
+            # host for the gather: Mooncake reads the buffer outside streams.
+            with self._kv_ordered():
+                buffer.write_words(at, head)
+                data = at + head.nbytes
+                device_copy.move(
+                    buffer,
+                    [data + o for o in staging.offsets(lengths)],
+                    kv,
+                    src,
+                    lengths,
+                )
         except ValueError:
             self._arena.release(offset, size)
             raise
