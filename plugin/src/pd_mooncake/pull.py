@@ -11,7 +11,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from pd_mooncake import faults, reliability, staging
+from pd_mooncake import faults, geometry, reliability, staging
 
 # Set on an upstream PullReqMeta once its KV has fully arrived: the count it
 # keeps (pull_tasks_count) is also 0 before a pull starts.
@@ -59,6 +59,7 @@ class PullWorker:
         offer = self._staging_offer(pull_metas)
         staging.OFFER.set(offer)
         settling = SETTLING.set(_Settling())
+        geometry.PEER.set(worker_addr)
         try:
             await self._pull_while_alive(worker_addr, pull_metas)
         finally:
@@ -133,6 +134,7 @@ class PullWorker:
 
     def process_pulling_result(self, response: Any, pull_metas: dict) -> None:
         _settling_from(pull_metas)
+        self._geometry_answered(response)
         try:
             self._staging_scatter(response)
         except ValueError as exc:
