@@ -330,16 +330,23 @@ def _region_differences(p: Geometry, d: Geometry) -> list[Difference]:
         if a.dtype and b.dtype and a.dtype != b.dtype:
             out.append(Difference(f"dtype of {name}", a.dtype, b.dtype, FLAG_KV_DTYPE))
             continue
-        if a.bytes_per_block == b.bytes_per_block:
+        same_bytes = a.bytes_per_block == b.bytes_per_block
+        # The same bytes in other heads: another head size, other meaning.
+        same_heads = not a.heads or not b.heads or a.heads == b.heads
+        if same_bytes and same_heads:
             continue
         if _heads_split(a, b, p.tp_size, d.tp_size, has_mla):
             continue  # the TP difference's note says how
+        flag = FLAG_TP if p.tp_size != d.tp_size else FLAG_MODEL
+        if same_bytes:
+            out.append(Difference(f"KV heads of {name}", a.heads, b.heads, flag))
+            continue
         out.append(
             Difference(
                 f"bytes per block of {name} ({a.layout})",
                 a.bytes_per_block,
                 b.bytes_per_block,
-                FLAG_TP if p.tp_size != d.tp_size else FLAG_MODEL,
+                flag,
             )
         )
     return out
