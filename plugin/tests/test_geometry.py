@@ -416,3 +416,81 @@ def test_a_peer_without_geometry_is_not_checked(
     with caplog.at_level(logging.WARNING, logger="vllm.pd_mooncake"):
         assert prefill._geometry_refusal(meta) is None
     assert "states no KV geometry" in caplog.text
+
+
+# -- what upstream does with a dtype difference, unchecked ---------------------------
+def dtype_worker(dtype: torch.dtype) -> Any:
+    """A registered connector worker whose KV (specs and tensors) is ``dtype``."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    worker = make_worker(PDMooncakeConnectorWorker, RecordingEngine(), backport=False)
+    worker.tp_size, worker.tp_rank, worker.pp_size = 1, 0, 1
+    worker.transfer_topo = SimpleNamespace(
+        local_replicates_kv_cache=True, total_num_kv_heads=1
+    )
+    groups = [
+        KVCacheGroupSpec(
+            g.layer_names,
+            dataclasses.replace(g.kv_cache_spec, dtype=dtype),
+            is_eagle_group=g.is_eagle_group,
+        )
+        for g in worker.kv_cache_config.kv_cache_groups
+    ]
+    worker.kv_cache_config = KVCacheConfig(
+        num_blocks=worker.kv_cache_config.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+    )
+    worker._layer_specs = {n: g.kv_cache_spec for g in groups for n in g.layer_names}
+    caches = {name: cache.to(dtype) for name, cache in mixed_caches().items()}
+    worker.register_kv_caches(caches)
+    return worker
+
+
+def unchecked_send(prefill: Any, decode: Any) -> tuple:
+    """Upstream's descriptors for a one-block request (no geometry check)."""
+    meta = upstream.MooncakeXferMetadata(
+        remote_hostname="127.0.0.1",
+        remote_port=4444,
+        remote_tp_size=1,
+        remote_tp_rank=0,
+        req_blocks={"d-1": ("xfer-1", [[1], [1]])},
+        kv_caches_base_addr=decode.kv_caches_base_addr,
+        block_lens=decode.block_len_per_layer,
+        kv_block_lens=decode.kv_block_len_per_layer,
+        registered_layer_names=decode.registered_layer_names,
+        registered_layer_indices=decode.registered_layer_indices,
+        registered_group_indices=decode.registered_group_indices,
+        registered_shared_group_ids=[list(g) for g in decode.region_shared_groups],
+        registered_row_offsets=decode.region_row_offsets,
+    )
+    local, remote, err = prefill._prepare_transfer_regions(meta)
+    assert err is None, err
+    send = upstream.SendBlockMeta("p-1", "xfer-1", [[0], [0]], asyncio.Event())
+    return asyncio.run(
+        prefill._build_transfer_params([("d-1", send)], meta, local, remote)
+    )
+
+
+def test_unchecked_bfloat16_into_float32_writes_half_blocks_silently() -> None:
+    """Why the dtype is checked: upstream compares no region lengths for an
+    MLA model, and sends a bfloat16 prefill's blocks into a float32 decode's
+    as half blocks, without an error (the rest of each block stays stale,
+    the written half is read as float32: wrong KV, wrong tokens unless the
+    KV checksum catches it)."""
+    prefill, decode = dtype_worker(torch.bfloat16), dtype_worker(torch.float32)
+    _, _, lengths, err_reqs, err_msg = unchecked_send(prefill, decode)
+    assert (err_reqs, err_msg) == ([], None)
+    assert lengths == [b // 2 for b in decode.kv_block_len_per_layer]
+    assert refused(prefill.geometry, decode.geometry) == ["KV dtype"]
+
+
+def test_unchecked_float32_into_bfloat16_fails_naming_no_flag() -> None:
+    """The other way round upstream's assertion stops the send (the plugin
+    turns the raise into a failed send): the request fails with a message
+    that names neither the dtype nor a flag."""
+    prefill, decode = dtype_worker(torch.float32), dtype_worker(torch.bfloat16)
+    _, _, _, err_reqs, err_msg = unchecked_send(prefill, decode)
+    assert err_reqs == ["d-1"]
+    assert "exceeds remote KV block size" in (err_msg or "")
+    assert "dtype" not in (err_msg or "")
