@@ -494,3 +494,70 @@ def test_unchecked_float32_into_bfloat16_fails_naming_no_flag() -> None:
     assert err_reqs == ["d-1"]
     assert "exceeds remote KV block size" in (err_msg or "")
     assert "dtype" not in (err_msg or "")
+
+
+def ratio_worker(ratio: int) -> Any:
+    """A registered worker of 8 16-token kernel blocks in logical blocks of
+    ``ratio`` kernel blocks (--block-size 16 * ratio over the same kernel)."""
+    worker = make_worker(
+        PDMooncakeConnectorWorker,
+        RecordingEngine(),
+        backport=False,
+        ratio=ratio,
+        num_blocks=8 // ratio,
+    )
+    worker.tp_size, worker.tp_rank, worker.pp_size = 1, 0, 1
+    worker.transfer_topo = SimpleNamespace(
+        local_replicates_kv_cache=True, total_num_kv_heads=1
+    )
+    worker.register_kv_caches(
+        {MLA_LAYER: torch.zeros(8, 16, 96), DRAFT_LAYER: torch.zeros(8, 16, 8, 64)}
+    )
+    return worker
+
+
+def test_unchecked_block_sizes_send_half_the_prompt_to_the_wrong_blocks() -> None:
+    """Why tokens per block are checked even where every region's bytes
+    agree: 64 prompt tokens are prefill's 16-token blocks 0-3 and decode's
+    32-token blocks 2 and 3 (kernel blocks 4-7). Upstream takes prefill's
+    last two blocks (its partial prefix hit path) and converts decode's ids
+    with prefill's ratio: tokens 32-63 land in decode's kernel blocks 2 and
+    3, tokens 0-31 nowhere; no error."""
+    prefill, decode = ratio_worker(1), ratio_worker(2)
+    assert refused(prefill.geometry, decode.geometry) == ["block size"]
+    meta = upstream.MooncakeXferMetadata(
+        remote_hostname="127.0.0.1",
+        remote_port=4545,
+        remote_tp_size=1,
+        remote_tp_rank=0,
+        req_blocks={"d-1": ("xfer-1", [[2, 3], [2, 3]])},
+        kv_caches_base_addr=decode.kv_caches_base_addr,
+        block_lens=decode.block_len_per_layer,
+        kv_block_lens=decode.kv_block_len_per_layer,
+        registered_layer_names=decode.registered_layer_names,
+        registered_layer_indices=decode.registered_layer_indices,
+        registered_group_indices=decode.registered_group_indices,
+        registered_shared_group_ids=[list(g) for g in decode.region_shared_groups],
+        registered_row_offsets=decode.region_row_offsets,
+    )
+    local, remote, err = prefill._prepare_transfer_regions(meta)
+    assert err is None, err
+    send = upstream.SendBlockMeta(
+        "p-1", "xfer-1", [[0, 1, 2, 3], [0, 1, 2, 3]], asyncio.Event()
+    )
+    src, dst, lengths, err_reqs, err_msg = asyncio.run(
+        prefill._build_transfer_params([("d-1", send)], meta, local, remote)
+    )
+    assert (err_reqs, err_msg) == ([], None)
+    block = decode.block_len_per_layer[0]
+    base = decode.kv_caches_base_addr[0]
+    # Where the MLA region's bytes land, in decode's kernel blocks.
+    landed = sorted(
+        (d - base) // block + i
+        for d, n in zip(dst, lengths, strict=True)
+        if base <= d < base + 8 * block
+        for i in range(n // block)
+    )
+    assert landed == [2, 3]  # decode reads this prompt from 4, 5, 6 and 7
+    assert sum(lengths) == 2 * sum(decode.kv_block_len_per_layer)
+    assert src and len(src) == len(dst)
