@@ -16,11 +16,16 @@ upstream compares region byte lengths only for a GQA model at equal TP
 (``_validate_asymmetric_region_lengths``; an MLA model skips it), converts
 decode's logical block ids with prefill's own kernel ratio
 (``_logical_to_kernel_block_ids`` on ``remote_block_ids_by_group``), never
-compares tokens per block or dtypes, and reports a missing draft as "KV
-group count mismatch" or a layer alignment error that names no flag.
-Unchecked, a block size or dtype difference writes prefill's blocks at the
-wrong places or sizes of decode's cache (what the real-server negative
-controls observed is in plugin/tests/test_geometry_servers.py).
+compares tokens per block or dtypes, and reports a missing draft as a
+layer alignment error that names no flag. Observed unchecked (negative
+controls: test_geometry.py on real registered workers,
+test_geometry_servers.py on real servers): a decode without the draft
+fails with "producer registered layer has no matching consumer
+occurrence" (HTTP 500); a bfloat16 prefill sends half blocks into a
+float32 decode without an error (wrong KV); float32 into bfloat16 fails
+on upstream's assertion; 16- against 32-token blocks send half the
+prompt into the wrong decode blocks without an error (wrong KV). Wrong KV
+becomes wrong tokens unless the KV checksum (pd_mooncake.checksum) is on.
 
 Refused (prefill answers the pull with upstream's ERROR status and the
 reason, logs it once per decode worker; decode's upstream pull fails its
