@@ -221,10 +221,11 @@ def test_geometry_refused_and_negative_control(servers: Servers, case: Case) -> 
         assert case.names[1] in refusals[0]
 
         # The negative control: prefill serves the pull unchecked.
+        before = len(s.log(name))
         s.fault_file.write_text(faults.SKIP_GEOMETRY_CHECK)
         unchecked = pd_request(s, prompt(salt))
         s.fault_file.unlink()
-        after = s.log(name)[len(decode_log) :]
+        after = s.log(name)[before:]
         failures = [ln for ln in after.splitlines() if "failed" in ln.lower()]
         print(f"{case.name}: unchecked: {unchecked}; reference {reference}")
         print(f"{case.name}: decode's failure lines unchecked: {failures[:3]}")
