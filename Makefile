@@ -107,14 +107,15 @@ test-hosts: install ## All multi-host twin cases (root), the slower ones include
 	PD_HOSTS_SLOW=1 $(PY) -m pytest e2e/test_hosts.py $(PYTEST_ARGS)
 
 # The KV geometry handshake between real servers (plugin/tests/
-# test_geometry_servers.py): one prefill, then a decode without the draft,
-# one with 32-token blocks, one in bfloat16, each refused and each served
-# wrong with the check skipped (the negative controls). Not in `make test`:
-# four vLLM starts, ~4 min on 2 cores, for a check the unit tests
+# test_geometry_servers.py): one prefill, then a decode without the draft
+# and one in bfloat16, each refused, and each failing elsewhere with the
+# check skipped (the negative controls); one asked for 32-token blocks (the
+# CPU MLA backend runs 16: stated as such, served right). Not in `make test`:
+# four vLLM starts, 4.5-6 min on 2 cores, for a check the unit tests
 # (test_geometry.py) cover field by field on a real worker; run it when
 # geometry.py or the pull's wire changes.
 .PHONY: test-geometry
-test-geometry: install ## The geometry handshake on real servers: refusals and their negative controls (~4 min)
+test-geometry: install ## The geometry handshake on real servers: refusals and their negative controls (~5 min)
 	PD_GEOMETRY_SERVERS=1 $(PY) -m pytest plugin/tests/test_geometry_servers.py $(PYTEST_ARGS)
 
 .PHONY: down-hosts

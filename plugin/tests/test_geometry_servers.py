@@ -14,7 +14,7 @@ Negative control (the check skipped on prefill through the test fault
 request, and what it gives is recorded and asserted to be wrong in the way
 each case's ``unchecked`` describes.
 
-Heavy (four vLLM servers one after another, ~4.5 min on 2 cores): run by
+Heavy (four vLLM servers one after another, 4.5-6 min on 2 cores): run by
 ``make test-geometry``, not ``make test``; see the Makefile for why.
 """
 
