@@ -14,8 +14,9 @@ Negative control (the check skipped on prefill through the test fault
 request, and what it gives is recorded and asserted to be wrong in the way
 each case's ``unchecked`` describes.
 
-Heavy (four vLLM servers one after another, 4.5-6 min on 2 cores): run by
-``make test-geometry``, not ``make test``; see the Makefile for why.
+Heavy (four vLLM servers one after another, 154 s on a quiet 2-core host):
+run by ``make test`` and ``make test-geometry`` (PD_GEOMETRY_SERVERS=1);
+the Makefile says why it is worth its time.
 """
 
 from __future__ import annotations
