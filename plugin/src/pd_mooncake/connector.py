@@ -22,6 +22,7 @@ from pd_mooncake import (
     cpu_support,
     extra_config,
     fixes,
+    geometry,
     registration,
     reliability,
     send_deadline,
@@ -88,6 +89,7 @@ def _upstream_builds(worker_cls: type) -> Iterator[None]:
 
 class PDMooncakeConnectorWorker(
     RegionsWorker,
+    geometry.GeometryWorker,
     PullWorker,
     checksum.ChecksumWorker,
     StagingWorker,
@@ -134,6 +136,7 @@ class PDMooncakeConnectorWorker(
         self.stall_s = float(extra.get("send_stall_s", stall_guard.DEFAULT_STALL_S))
         self._install_checksum(extra if "kv_checksum" in attached else {})
         self._install_staging(extra if "kv_staging" in attached else {})
+        self._install_geometry()
 
     def _bound_sends(self, env: Any) -> None:
         """Prefill: fail start-up on timeouts that let a send outlive decode's
@@ -179,6 +182,7 @@ class PDMooncakeConnectorWorker(
         self._register_staging()
         self.xfer_stats.region_map = self._region_map()
         self._log_region_report()
+        self._state_geometry()
         tcp_limits.warn_if_prompt_can_overflow(
             self.protocol,
             self.vllm_config.model_config.max_model_len,
@@ -364,6 +368,10 @@ class PDMooncakeConnectorWorker(
             return [], [], [], failed, f"building the send failed: {exc}"
 
     async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any) -> None:
+        # Before upstream's own checks, whose errors name no flag (geometry).
+        if (refusal := self._geometry_refusal(meta)) is not None:
+            await self._refuse_pull(identity, sock, refusal, meta)
+            return
         # A rejection notice names the API request: free its siblings too,
         # as upstream frees a send that is done.
         for key in reliability.api_release(
@@ -394,6 +402,8 @@ class PDMooncakeConnectorWorker(
                 metadata.reqs_not_processed, self.reqs_need_send
             )
         await super().record_send_reqs(metadata)
+        # A refused pull that came before its request was ready (geometry).
+        self._release_refused()
 
 
 class PDMooncakeConnector(upstream.MooncakeConnector):

@@ -1,4 +1,5 @@
-"""Test-only fault switch: corrupt KV right after decode receives it.
+"""Test-only fault switch: corrupt KV right after decode receives it, or
+skip prefill's KV geometry check.
 
 Off unless the decode server's environment sets it, either for the whole
 run (``PD_MOONCAKE_FAULT=corrupt_received_kv``) or while a file exists
@@ -26,7 +27,10 @@ CORRUPT_RECEIVED_KV = "corrupt_received_kv"
 # The same, after decode's KV checksum (pd_mooncake.checksum) verified the
 # blocks: what the checksum cannot see, and the correctness check must.
 CORRUPT_CHECKED_KV = "corrupt_checked_kv"
-KNOWN_FAULTS = (CORRUPT_RECEIVED_KV, CORRUPT_CHECKED_KV)
+# Prefill: serve pulls whose KV geometry it would refuse (pd_mooncake.geometry):
+# the negative control of the geometry handshake.
+SKIP_GEOMETRY_CHECK = "skip_geometry_check"
+KNOWN_FAULTS = (CORRUPT_RECEIVED_KV, CORRUPT_CHECKED_KV, SKIP_GEOMETRY_CHECK)
 
 logger = logging.getLogger(f"vllm.{__name__}")
 

@@ -12,7 +12,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from pd_mooncake import faults, reliability, staging
+from pd_mooncake import faults, geometry, reliability, staging
 
 logger = logging.getLogger("vllm.pd_mooncake")
 
@@ -71,6 +71,7 @@ class PullWorker:
             offer = None
         staging.OFFER.set(offer)
         settling = SETTLING.set(_Settling())
+        geometry.PEER.set(worker_addr)
         try:
             await self._pull_while_alive(worker_addr, pull_metas)
         finally:
@@ -158,6 +159,7 @@ class PullWorker:
 
     def process_pulling_result(self, response: Any, pull_metas: dict) -> None:
         _settling_from(pull_metas)
+        self._geometry_answered(response)
         try:
             self._staging_scatter(response)
         except ValueError as exc:

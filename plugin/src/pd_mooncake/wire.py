@@ -4,7 +4,8 @@ Upstream's msgspec decoders ignore fields they do not know, so decode's pull
 and prefill's answer carry the plugin's additions to a peer without the
 plugin unharmed; the plugin's decoders read both. Each feature adds its
 fields when a message is encoded (``Encoder``): the KV checksum
-(pd_mooncake.checksum) and the staging path (pd_mooncake.staging).
+(pd_mooncake.checksum), the staging path (pd_mooncake.staging) and the KV
+geometry (pd_mooncake.geometry).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ class XferMetadata(upstream.MooncakeXferMetadata, omit_defaults=True):
     pd_kv_checksum: bool = False
     # [address, bytes, nonce] of decode's span (staging.Offer.wire).
     pd_staging: list[int] | None = None
+    # Decode's KV geometry (geometry.Geometry.wire): prefill refuses a pull
+    # whose geometry it cannot honour.
+    pd_geometry: dict[str, Any] | None = None
 
 
 class XferResponse(upstream.MooncakeXferResponse, omit_defaults=True):
@@ -39,6 +43,8 @@ class XferResponse(upstream.MooncakeXferResponse, omit_defaults=True):
     # Offset in decode's span of the record holding ``ok_reqs``' KV (absent:
     # sent directly into the blocks).
     pd_staging_record: int | None = None
+    # Prefill's KV geometry, in its first answer to a decode worker.
+    pd_geometry: dict[str, Any] | None = None
 
 
 # Fields a feature adds: to a pull (no argument) or to an answer (the answer).
