@@ -230,6 +230,10 @@ ENV_OVERRIDES: dict[str, tuple[str, tuple[str, ...], type]] = {
     # served in bfloat16, a GPU stack's numerics, instead of its exact
     # float32 (issue 25; the e2e suite then judges it in a calibrated band).
     "PD_DTYPE": ("dtype", (), str),
+    # Tensor-parallel width of both roles over the profile's: the CPU twin at
+    # TP 2 (one rank per core here; e2e/test_tp_ranks.py). Pairs that differ
+    # per role are the profile's (pd_mooncake.tp_pairs says which serve).
+    "PD_TENSOR_PARALLEL_SIZE": ("tensor-parallel-size", (), int),
     # The opt-in KV checksum, on in configs/vllm: 0 runs a stack without it
     # (both roles must agree: set it for prefill and decode alike).
     "PD_MOONCAKE_KV_CHECKSUM": _extra("kv_checksum", bool),

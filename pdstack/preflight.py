@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pd_mooncake import tp_pairs
 from pdstack import config, cuda_selector, kv_layout, staging_room
 from pdstack.cuda_selector import Layer
 
@@ -293,6 +294,37 @@ def _explain(
     )
 
 
+def tp_pair_problem(
+    prefill: Mapping[str, Any],
+    decode: Mapping[str, Any],
+    model_config: Path | None = None,
+    draft_config: Path | None = None,
+) -> str | None:
+    """pd_mooncake.tp_pairs on the two roles' rendered flags: why prefill's
+    tensor-parallel size cannot feed decode's (None: it can)."""
+    from pd_mooncake import checksum  # needs vLLM, as the selector does
+
+    target, draft = models(prefill, model_config, draft_config)
+    gqa = [
+        tp_pairs.GqaLayers(name, kv_layout.kv_heads(cfg))
+        for name, cfg in (("target", target), ("draft", draft))
+        if cfg is not None and not kv_layout.is_mla(cfg)
+    ]
+
+    def extra(flags: Mapping[str, Any]) -> Mapping[str, Any]:
+        return (flags.get("kv-transfer-config") or {}).get(
+            "kv_connector_extra_config"
+        ) or {}
+
+    return tp_pairs.refusal(
+        int(prefill.get("tensor-parallel-size") or 1),
+        int(decode.get("tensor-parallel-size") or 1),
+        mla=kv_layout.is_mla(target),
+        gqa_layers=gqa,
+        kv_checksum=any(bool(extra(f).get(checksum.KEY)) for f in (prefill, decode)),
+    )
+
+
 def run(
     profiles: Sequence[str],
     gpus: Mapping[str, tuple[int, int]],
@@ -300,21 +332,45 @@ def run(
     overrides: Mapping[str, Any] | None = None,
     model_config: Path | None = None,
     draft_config: Path | None = None,
+    role_overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[Check]:
-    """Every role of every profile on every GPU class, from configs/."""
+    """Every role of every profile on every GPU class, from configs/, and
+    whether the two roles' tensor-parallel sizes pair (``role_overrides``:
+    flags of one role, e.g. its ``tensor-parallel-size``)."""
     checks = []
     for profile in profiles:
         subs = profile_substitutions(profile)
         target_config = model_config or excerpt(profile, TARGET_EXCERPT)
         draft = draft_config or excerpt(profile, DRAFT_EXCERPT)
+        rendered = {
+            role: config.substituted(
+                {
+                    **config.vllm_flags(role, profile, "gpu"),
+                    **(overrides or {}),
+                    **(role_overrides or {}).get(role, {}),
+                },
+                subs,
+            )
+            for role in config.ROLES
+        }
+        ours = []
         for role in roles:
-            flags = {**config.vllm_flags(role, profile, "gpu"), **(overrides or {})}
-            rendered = config.substituted(flags, subs)
             for gpu, cap in gpus.items():
-                c = check(profile, role, gpu, cap, rendered, target_config, draft)
+                c = check(profile, role, gpu, cap, rendered[role], target_config, draft)
                 if target_config and target_config != model_config:
                     c.notes.append(f"config.json read from {_shown(target_config)}")
-                checks.append(c)
+                ours.append(c)
+        try:
+            pair = tp_pair_problem(
+                rendered["prefill"], rendered["decode"], target_config, draft
+            )
+        except (CannotCheckError, kv_layout.LayoutError):
+            pair = None  # the checks above already say unknown, and why
+        for c in ours:
+            if pair is not None:
+                c.status = "rejected"
+                c.problems.append(pair)
+        checks += ours
     return checks
 
 

@@ -67,6 +67,20 @@ def exit_status(checks: Sequence[preflight.Check], allow_unknown: bool) -> int:
     return ACCEPTED
 
 
+def parse_tp_pair(text: str) -> dict[str, dict[str, int]]:
+    """``2:1`` -> each role's tensor-parallel-size."""
+    try:
+        sizes = [int(part) for part in text.split(":")]
+    except ValueError:
+        sizes = []
+    if len(sizes) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected P:D, e.g. 2:1")
+    return {
+        role: {"tensor-parallel-size": size}
+        for role, size in zip(config.ROLES, sizes, strict=True)
+    }
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pdstack.preflight",
@@ -110,6 +124,13 @@ def parser() -> argparse.ArgumentParser:
         help="override a vLLM flag of configs/ (what-if)",
     )
     add(
+        "--tp-pair",
+        type=parse_tp_pair,
+        metavar="P:D",
+        help="prefill's and decode's tensor-parallel-size (what-if): refused "
+        "where they cannot pair (pd_mooncake.tp_pairs)",
+    )
+    add(
         "--allow-unknown",
         action="store_true",
         help="exit 0 where a check can only say unknown (nothing rejected)",
@@ -142,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dict(opts.set),
                 opts.target_config,
                 opts.draft_config,
+                role_overrides=opts.tp_pair,
             )
     except config.ConfigError as exc:
         cli.exit(2, f"pdstack.preflight: {exc}\n")

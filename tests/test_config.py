@@ -88,6 +88,17 @@ def test_the_twin_can_be_served_in_bfloat16() -> None:
         assert argv[argv.index("--dtype") + 1] == "bfloat16"
 
 
+def test_the_twin_can_run_tensor_parallel() -> None:
+    """PD_TENSOR_PARALLEL_SIZE on both roles; a width below 1 is refused."""
+    for role in config.ROLES:
+        base = config.vllm_flags(role, "tiny", "cpu")
+        flags = config.with_env_overrides(base, {"PD_TENSOR_PARALLEL_SIZE": "2"})
+        argv = config.render(flags, {"tiny_target": "t", "tiny_draft": "d"})
+        assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    with pytest.raises(config.ConfigError, match="PD_TENSOR_PARALLEL_SIZE"):
+        config.with_env_overrides(base, {"PD_TENSOR_PARALLEL_SIZE": "0"})
+
+
 def test_each_prefill_replica_can_have_its_own_engine_id() -> None:
     base = config.vllm_flags("prefill", "tiny", "gpu")
     assert base["kv-transfer-config"]["engine_id"] == "pd-prefill"

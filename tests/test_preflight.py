@@ -313,3 +313,43 @@ def test_every_shipped_profile_is_accepted_on_sm90(profile: str) -> None:
     checks = preflight.run([profile], SM90)
     assert {c.status for c in checks} == {"accepted"}, [c.notes for c in checks]
     assert all(c.regions and c.kernel_block_size for c in checks)
+
+
+def _tp_pair(profile: str, p: int, d: int, checksum: bool) -> list[str]:
+    """The pair's problems on sm90 (``checksum``: kv_checksum on both roles)."""
+    pair = {}
+    for role, size in (("prefill", p), ("decode", d)):
+        kv = config.vllm_flags(role, profile, "gpu")["kv-transfer-config"]
+        extra = {**kv["kv_connector_extra_config"], "kv_checksum": checksum}
+        pair[role] = {
+            "tensor-parallel-size": size,
+            "kv-transfer-config": kv | {"kv_connector_extra_config": extra},
+        }
+    checks = preflight.run([profile], SM90, role_overrides=pair)
+    assert len(checks) == 2
+    return [p for c in checks for p in c.problems if "TP" in p]
+
+
+def test_tp_pairs_upstream_serves_are_accepted() -> None:
+    """The same width (checksum on), and an MLA model without a GQA layer
+    (DeepSeek-V3 with its MTP layer) at widths that divide, checksum off."""
+    assert _tp_pair("tiny", 2, 2, checksum=True) == []
+    assert _tp_pair("deepseek-v3", 8, 4, checksum=False) == []
+    assert _tp_pair("deepseek-v3", 4, 8, checksum=False) == []
+
+
+def test_tp_pairs_upstream_cannot_serve_are_refused_by_name() -> None:
+    (why,) = set(_tp_pair("tiny", 2, 1, checksum=False))
+    assert why.startswith("prefill TP 2 -> decode TP 1") and "draft (2 KV heads" in why
+    (why,) = set(_tp_pair("tiny", 1, 2, checksum=True))
+    assert why.startswith("prefill TP 1 -> decode TP 2") and "kv_checksum" in why
+    (why,) = set(_tp_pair("deepseek-v3", 8, 3, checksum=False))
+    assert why.startswith("prefill TP 8 -> decode TP 3") and "divide" in why
+
+
+def test_cli_refuses_a_tp_pair_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--profile", "tiny", "--capability", "9.0"]
+    assert preflight.main([*args, "--tp-pair", "2:2"]) == 0
+    capsys.readouterr()
+    assert preflight.main([*args, "--tp-pair", "1:2"]) == 1
+    assert "prefill TP 1 -> decode TP 2" in capsys.readouterr().out
