@@ -66,7 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
 
-from pd_mooncake import faults, wire
+from pd_mooncake import faults, tp_pairs, wire
 from pd_mooncake.metric_names import GQA_LAYOUT, MLA_LAYOUT
 
 logger = logging.getLogger("vllm.pd_mooncake")
@@ -229,7 +229,7 @@ class Verdict:
 
 
 def _divides(a: int, b: int) -> bool:
-    return a > 0 and b > 0 and (a % b == 0 or b % a == 0)
+    return tp_pairs.refusal(a, b, mla=False) is None
 
 
 def compare(prefill: Geometry, decode: Geometry) -> Verdict:
@@ -288,6 +288,8 @@ def compare(prefill: Geometry, decode: Geometry) -> Verdict:
     tp_differs = p.tp_size != d.tp_size
     if tp_differs and not _divides(p.tp_size, d.tp_size):
         # Upstream asserts on it (_get_tp_ratio) in prefill's sender task.
+        # The pair rule's one home is tp_pairs (the preflight asks it too);
+        # a split GQA layer of an MLA model shows below, region by region.
         out.append(Difference("TP size", p.tp_size, d.tp_size, FLAG_TP))
         return Verdict(tuple(out))
     if not scalar_refused:
