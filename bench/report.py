@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import goodput, kv_checksum, kv_path, kv_transfer
 from bench import hosts_link as hl
-from bench import kv_checksum, kv_path, kv_transfer
 from bench import transfer_engine as te
 from bench.levels import (
     GIB,
@@ -217,9 +217,14 @@ def build(run_dir: Path) -> dict[str, Any]:
     """Write report.md, report.png and summary.json; returns the summary."""
     run = Run.read(run_dir)
     data = summary(run)
+    swept = goodput.build(run_dir)
+    if swept is not None:
+        data = {"answers": swept[1]["answers"], "goodput": swept[1], **data}
     (run_dir / "summary.json").write_text(json.dumps(data, indent=1, default=str))
     plotted = plot(run_dir / "report.png", run.pairs, run.comparisons)
-    (run_dir / "report.md").write_text(markdown(run, plotted))
+    (run_dir / "report.md").write_text(
+        markdown(run, plotted, swept[0] if swept else [])
+    )
     return data
 
 
@@ -227,9 +232,10 @@ def section(title: str, body: Sequence[str]) -> list[str]:
     return ["", f"## {title}", "", *body]
 
 
-def markdown(run: Run, plotted: bool) -> str:
+def markdown(run: Run, plotted: bool, answers: Sequence[str] = ()) -> str:
+    """The report; ``answers`` (bench.goodput's section) opens it."""
     meta, checks, pairs, status = run.meta, run.checks, run.pairs, run.status
-    out = [f"# P/D vs colocated: bench run {meta.get('started', '')}", ""]
+    out = [f"# P/D vs colocated: bench run {meta.get('started', '')}", "", *answers]
     if meta.get("stack"):
         out += [f"Stack: {meta['stack']}. Profile `{meta.get('profile', 'tiny')}`.", ""]
     if meta.get("machine"):
