@@ -125,10 +125,14 @@ def answers(sweep: Sweep) -> list[str]:
     pd, colo = sweep.sustained("pd"), sweep.sustained("colocated")
     ratio = f"{pd / colo:.2f}x" if pd and colo else "n/a"
     tested = ", ".join(f"{r:.3g}" for r in sweep.rates) or "none"
+    top = max(sweep.rates, default=None)
+    ceiling = [TITLE[t] for t, r in (("pd", pd), ("colocated", colo)) if r == top]
     out = [
         f"P/D sustains {_rate(pd)} {within} against {_rate(colo)} colocated "
         f"(ratio {ratio}; rates tried: {tested} req/s)."
-    ]
+        + (f" {' and '.join(ceiling)} held the highest rate tried, so the limit lies "
+           "higher (BENCH_GOODPUT_STEPS=N tries more)." if ceiling else "")
+    ]  # fmt: skip
     probe = sweep.probe("pd")
     ev = read_json(sweep.where / f"pd-{PROBE}.evidence.json") if probe else None
     seconds, transfers = (ev or {}).get("transfer_seconds"), (ev or {}).get("transfers")
@@ -308,12 +312,12 @@ def plot(sweep: Sweep, path: Path) -> bool:
     return True
 
 
-def build(run_dir: Path) -> tuple[list[str], dict[str, Any]] | None:
-    """The goodput section's lines (answers first) and summary; None where
-    the run has no goodput sweep."""
+def build(run_dir: Path) -> tuple[list[str], list[str], dict[str, Any]] | None:
+    """The answers' lines (the report opens with them), the goodput
+    section's and the summary; None where the run has no goodput sweep."""
     sweep = Sweep.read(run_dir)
     if sweep is None:
         return None
     plotted = plot(sweep, run_dir / DIR / PLOT)
     head = ["## Answers", "", *(f"- {a}" for a in answers(sweep)), ""]
-    return head + markdown(sweep, plotted), summary(sweep)
+    return head, markdown(sweep, plotted), summary(sweep)

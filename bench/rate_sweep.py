@@ -2,15 +2,17 @@
 
     python -m bench.rate_sweep PLAN.json
 
-First one request alone per target (the probe): its end-to-end latency
-sizes the rates (half, once, twice, ... the rate one server finishes
-requests one at a time), and a probe that misses the SLO alone ends the
-sweep with an error naming the fix. Then per rate, lowest first, the same
-prompts (Poisson arrivals, ``vllm bench serve --request-rate R --goodput``)
-through P/D and the colocated reference, alternating which goes first; a
-target stops climbing once under bench.slo.GOOD_SHARE of its requests met
-the SLO. Around every P/D level decode and prefill are scraped
-(bench.evidence). Every level's files land in the plan's directory.
+First one request per target to warm up (not counted: P/D's first opens
+Mooncake's connections), then one request alone per target (the probe):
+its end-to-end latency sizes the rates (once, twice, four times ... the
+rate one server finishes requests one at a time), and a probe that misses
+the SLO alone ends the sweep with an error naming the fix. Then per rate,
+lowest first, the same prompts (Poisson arrivals: ``vllm bench serve
+--request-rate R --goodput ...``) through P/D and the colocated reference,
+alternating which goes first; a target stops climbing once under
+bench.slo.GOOD_SHARE of its requests met the SLO. Around every P/D level
+decode and prefill are scraped (bench.evidence). Every level's files land
+in the plan's directory.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from bench.vllm_bench import Level, Plan, _parser, _run_level, bench_serve_args
 from pdstack import metrics as m
 
 PROBE = "probe"
+WARMUP = "warmup"
 TARGETS = ("pd", "colocated")
 SETTLE_S = 30.0
 # Exit status of a sweep whose SLO no single request meets.
@@ -103,10 +106,10 @@ def rate_name(rate: float) -> str:
 
 
 def rates(probe_e2el_ms: float, steps: int) -> list[float]:
-    """Half the rate one request at a time allows, then doubling: batching
-    lets a server go well past one at a time, and doubling finds where it
-    stops within a few levels."""
-    base = 0.5 * 1000.0 / max(probe_e2el_ms, 1.0)
+    """The rate one request at a time allows, then doubling: batching lets a
+    server go well past one at a time, and doubling finds where it stops
+    within a few levels."""
+    base = 1000.0 / max(probe_e2el_ms, 1.0)
     return [base * 2**k for k in range(steps)]
 
 
@@ -186,9 +189,13 @@ class Sweep:
         )
 
     def probe(self) -> float:
-        """One request alone per target; the slower one's end-to-end ms."""
+        """One request alone per target, after one not counted (P/D's first
+        request opens Mooncake's connections); the slower one's end-to-end ms."""
         e2el = []
         for target in TARGETS:
+            warm = self.plan.level(target, WARMUP, None, 1, self.plan.seed + 999,
+                                   self.plan.level_timeout_s)  # fmt: skip
+            self.run_level(warm, f"warm-up: {target}, one request (not counted)")
             level = self.plan.level(
                 target, PROBE, None, 1, self.plan.seed, self.plan.level_timeout_s
             )

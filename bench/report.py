@@ -219,12 +219,11 @@ def build(run_dir: Path) -> dict[str, Any]:
     data = summary(run)
     swept = goodput.build(run_dir)
     if swept is not None:
-        data = {"answers": swept[1]["answers"], "goodput": swept[1], **data}
+        data = {"answers": swept[2]["answers"], "goodput": swept[2], **data}
     (run_dir / "summary.json").write_text(json.dumps(data, indent=1, default=str))
     plotted = plot(run_dir / "report.png", run.pairs, run.comparisons)
-    (run_dir / "report.md").write_text(
-        markdown(run, plotted, swept[0] if swept else [])
-    )
+    opening, section = swept[:2] if swept else ([], [])
+    (run_dir / "report.md").write_text(markdown(run, plotted, opening, section))
     return data
 
 
@@ -232,14 +231,19 @@ def section(title: str, body: Sequence[str]) -> list[str]:
     return ["", f"## {title}", "", *body]
 
 
-def markdown(run: Run, plotted: bool, answers: Sequence[str] = ()) -> str:
-    """The report; ``answers`` (bench.goodput's section) opens it."""
+def markdown(
+    run: Run, plotted: bool, answers: Sequence[str] = (), swept: Sequence[str] = ()
+) -> str:
+    """The report; ``answers`` (bench.goodput's) open it, the goodput sweep
+    (``swept``) comes before the targets."""
     meta, checks, pairs, status = run.meta, run.checks, run.pairs, run.status
     out = [f"# P/D vs colocated: bench run {meta.get('started', '')}", "", *answers]
     if meta.get("stack"):
         out += [f"Stack: {meta['stack']}. Profile `{meta.get('profile', 'tiny')}`.", ""]
     if meta.get("machine"):
         out += [f"Machine: {meta['machine']}", ""]
+    if swept:
+        out += [*swept, ""]
     out += ["## Targets", "", *targets_table(checks)]
     if missed := [t for t in checks if t.met is False and t.advice]:
         out += ["", "Where a target is missed:", ""]

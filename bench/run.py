@@ -386,6 +386,7 @@ def run(s: Settings) -> Path:
     slo.chosen(s.slo, "cpu")  # a malformed BENCH_SLO ends here
     if s.urls is not None:  # bad input ends here, before a run directory
         info = inspect(s, s.urls)
+        goodput_lengths(s, info)
     out, meta = _start(s, progress)
     if s.urls is None or s.micro:
         transfer_engine_step(s, out, progress)
@@ -513,6 +514,17 @@ def inspect(s: Settings, urls: Urls) -> preflight.StackInfo:
     return preflight.inspect(named)
 
 
+def goodput_lengths(s: Settings, info: preflight.StackInfo) -> tuple[int, int]:
+    """Prompt and output tokens of the goodput sweep, checked against the
+    stack's max-model-len (BenchInputError naming the knob)."""
+    input_len = s.goodput_input_len or min(
+        128 if s.quick else 1024, max(16, info.max_model_len // 4)
+    )
+    output_len = s.goodput_output_len or (16 if s.quick else 64)
+    preflight.check_lengths(info, input_len, output_len)
+    return input_len, output_len
+
+
 def goodput_plan(
     s: Settings, urls: Urls, info: preflight.StackInfo, where: Path
 ) -> rate_sweep.RatePlan:
@@ -520,11 +532,7 @@ def goodput_plan(
     most 1024 tokens; 128 quick), requests per rate half of what prefill's
     KV cache holds at once (16 to 100; 8 quick), 6 rates (3 quick)."""
     quick = s.quick
-    input_len = s.goodput_input_len or min(
-        128 if quick else 1024, max(16, info.max_model_len // 4)
-    )
-    output_len = s.goodput_output_len or (16 if quick else 64)
-    preflight.check_lengths(info, input_len, output_len)
+    input_len, output_len = goodput_lengths(s, info)
     fits = (info.kv_tokens or 0) // (input_len + output_len)
     prompts = s.goodput_prompts or (8 if quick else min(100, max(16, fits // 2)))
     target = s.slo_target or ("cpu" if s.profile == "tiny" else "gpu")

@@ -137,6 +137,9 @@ def test_report_opens_with_the_answers(tmp_path: Path) -> None:
     first = text.split("## Answers", 1)[1].split("## Targets", 1)[0]
     assert "P/D sustains 0.5 req/s within the SLO" in first
     assert "against 0.25 req/s colocated (ratio 2.00x" in first
+    assert "highest rate tried" not in first
+    # The stack's lines, then the goodput table, all before the targets.
+    assert text.index("## Goodput against") < text.index("## Targets")
     assert "KV transfer is 2.0% of P/D's TTFT at 128 tokens" in first
     assert "Every request's KV crossed and was verified (13 requests" in first
     assert summary["goodput"]["sustained_req_per_s"] == {"pd": 0.5, "colocated": 0.25}
@@ -153,6 +156,16 @@ def test_a_level_whose_evidence_failed_is_not_a_result(tmp_path: Path) -> None:
     assert "**failed**: decode loaded 0" in text
 
 
+def test_a_target_holding_the_highest_rate_is_said_to_go_higher(
+    tmp_path: Path,
+) -> None:
+    run = goodput_run(tmp_path)
+    write_level(run / goodput.DIR, "pd", 1.0, 1.0, [128] * 4)
+    (answer, *_) = report.build(run)["answers"]
+    assert "P/D sustains 1 req/s" in answer
+    assert "P/D held the highest rate tried, so the limit lies higher" in answer
+
+
 def test_a_sweep_stopped_by_an_unreachable_slo_answers_nothing(tmp_path: Path) -> None:
     run = goodput_run(tmp_path)
     (run / goodput.DIR / "error.txt").write_text("bench: SLO ... raise BENCH_SLO\n")
@@ -161,8 +174,8 @@ def test_a_sweep_stopped_by_an_unreachable_slo_answers_nothing(tmp_path: Path) -
 
 
 # --- the plan and bad input -----------------------------------------------------------
-def test_rates_start_under_one_at_a_time_and_double() -> None:
-    assert rate_sweep.rates(2000.0, 3) == [0.25, 0.5, 1.0]
+def test_rates_start_at_one_at_a_time_and_double() -> None:
+    assert rate_sweep.rates(2000.0, 3) == [0.5, 1.0, 2.0]
 
 
 def test_goodput_levels_pass_rate_slo_and_remote_code_to_vllm_bench_serve(
