@@ -67,7 +67,10 @@ def inspect(urls: dict[str, str]) -> StackInfo:
     max_len = int(first.get("max_model_len") or 0)
     if not max_len:  # the router may not pass it on; prefill's says
         max_len = int((models["prefill"] or [{}])[0].get("max_model_len") or 0)
-    info = m.scrape(urls["prefill"]).labels_of(m.CACHE_CONFIG_INFO)
+    try:
+        info = m.scrape(urls["prefill"]).labels_of(m.CACHE_CONFIG_INFO)
+    except requests.RequestException:  # no KV size: the defaults size the sweep
+        info = {}
     blocks, block = info.get("num_gpu_blocks", ""), info.get("block_size", "")
     kv = int(blocks) * int(block) if blocks.isdigit() and block.isdigit() else None
     return StackInfo(str(first["id"]), max_len, kv)

@@ -6,7 +6,10 @@ result), the plan sized by the stack, bad input as one line. No speed."""
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -233,3 +236,42 @@ def test_bad_input_is_one_line_naming_the_fix() -> None:
             {"router": "http://127.0.0.1:9", "prefill": "x", "decode": "y"}
         )
     assert "\n" not in str(err.value)
+
+
+@pytest.fixture
+def keyed_server() -> Iterator[str]:
+    """An HTTP server that, like compose's router front, refuses /v1 without
+    the key ``k``."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            ok = self.headers.get("Authorization") == "Bearer k"
+            body = json.dumps({"data": [{"id": "m", "max_model_len": 64}]})
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+            self.wfile.write(body.encode() if ok else b"unauthorized")
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_refused_key_names_the_knob(keyed_server: str) -> None:
+    urls = {name: keyed_server for name in ("router", "prefill", "decode")}
+    from pdstack import client
+
+    try:
+        for key in (None, "wrong"):
+            client.use_api_key(key)
+            with pytest.raises(
+                preflight.BenchInputError, match=r"401.*BENCH_API_KEY_FILE"
+            ):
+                preflight.inspect(urls)
+        client.use_api_key("k")  # the right key: the stack read (no /metrics here)
+        assert preflight.inspect(urls) == preflight.StackInfo("m", 64, None)
+    finally:
+        client.use_api_key(None)
