@@ -62,7 +62,10 @@ def judge(evidence: Mapping[str, Any] | None, input_lens: Sequence[int]) -> Verd
     """Every completed request's prompt loaded from prefill (none computed on
     decode), every region verified once per request, nothing failed."""
     if not evidence or not evidence.get("plugin"):
-        return Verdict(UNMEASURABLE, "the plugin's metrics are absent on decode")
+        why = (evidence or {}).get(
+            "error"
+        ) or "the plugin's metrics are absent on decode"
+        return Verdict(UNMEASURABLE, why)
     requests, tokens = len(input_lens), sum(map(kv_layout.tokens_loaded, input_lens))
     local = sum(input_lens) - tokens
     problems = []

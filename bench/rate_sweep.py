@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import requests
+
 from bench import evidence, slo
 from bench.vllm_bench import Level, Plan, _parser, _run_level, bench_serve_args
 from pdstack import metrics as m
@@ -113,6 +115,12 @@ def rates(probe_e2el_ms: float, steps: int) -> list[float]:
     return [base * 2**k for k in range(steps)]
 
 
+def _loaded(delta: m.Snapshot) -> dict[str, float]:
+    """Decode's prompt tokens in (loaded or computed) and failed receives."""
+    in_ = delta.total(m.PROMPT_TOKENS_BY_SOURCE)
+    return {"in": in_, "failed": delta.total(m.FAILED_RECVS)}
+
+
 class Sweep:
     def __init__(self, plan: RatePlan) -> None:
         self.plan = plan
@@ -141,11 +149,7 @@ class Sweep:
         ]
         self.say(f"{label} (at most {timeout:.0f}s)\n[bench] {shlex.join(argv)}")
         pd = level.target == "pd"
-        before = (
-            (m.scrape(self.plan.decode_url), m.scrape(self.plan.prefill_url))
-            if pd
-            else None
-        )
+        before = self._scrape() if pd else None
         started = time.monotonic()
         try:
             status = _run_level(self.parser, self.plan.bench_plan(), level, timeout)
@@ -161,32 +165,33 @@ class Sweep:
         )
         return data
 
+    def _scrape(self) -> tuple[m.Snapshot, m.Snapshot] | str:
+        """Decode's and prefill's /metrics, or why they cannot be read (the
+        level still runs; its evidence is then not measurable)."""
+        try:
+            return m.scrape(self.plan.decode_url), m.scrape(self.plan.prefill_url)
+        except requests.RequestException as exc:
+            return f"/metrics unreadable: {type(exc).__name__}: {exc}"[:200]
+
     def _evidence(
-        self, before: tuple[m.Snapshot, m.Snapshot], tokens: int, path: Path
+        self, before: tuple[m.Snapshot, m.Snapshot] | str, tokens: int, path: Path
     ) -> None:
         """Decode's counters once its loaded tokens reach the prompts' (or a
         receive failed) and stop moving; prefill's at that moment."""
-        decode0, prefill0 = before
-
-        def read(d: m.Snapshot) -> dict[str, float]:
-            return {
-                "in": d.total(m.PROMPT_TOKENS_BY_SOURCE),
-                "failed": d.total(m.FAILED_RECVS),
-            }
-
-        if tokens:
-            m.settle_counts(
-                self.plan.decode_url,
-                decode0,
-                read,
-                lambda v: v["in"] / tokens + v["failed"],
-                SETTLE_S,
-            )
-        after = m.scrape(self.plan.decode_url)
-        prefill = m.scrape(self.plan.prefill_url) - prefill0
-        path.write_text(
-            json.dumps(evidence.capture(after - decode0, prefill, after), indent=1)
-        )
+        found: dict[str, Any] = {"plugin": False}
+        try:
+            if isinstance(before, str):
+                raise requests.ConnectionError(before)
+            decode0, prefill0 = before
+            if tokens:
+                done = lambda v: v["in"] / tokens + v["failed"]  # noqa: E731
+                m.settle_counts(self.plan.decode_url, decode0, _loaded, done, SETTLE_S)
+            after = m.scrape(self.plan.decode_url)
+            prefill = m.scrape(self.plan.prefill_url) - prefill0
+            found = evidence.capture(after - decode0, prefill, after)
+        except requests.RequestException as exc:
+            found["error"] = str(exc)[:200]
+        path.write_text(json.dumps(found, indent=1))
 
     def probe(self) -> float:
         """One request alone per target, after one not counted (P/D's first
