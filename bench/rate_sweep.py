@@ -17,6 +17,7 @@ in the plan's directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -115,6 +116,15 @@ def rates(probe_e2el_ms: float, steps: int) -> list[float]:
     return [base * 2**k for k in range(steps)]
 
 
+def _figures(data: Mapping[str, Any] | None) -> str:
+    if not data:
+        return ", no result"
+    return (f", {data.get('completed', 0)} done, TTFT p50/p99 "
+            f"{data.get('p50_ttft_ms', 0):.0f}/{data.get('p99_ttft_ms', 0):.0f} ms, "
+            f"TPOT p50/p99 {data.get('p50_tpot_ms', 0):.0f}/"
+            f"{data.get('p99_tpot_ms', 0):.0f} ms")  # fmt: skip
+
+
 def _loaded(delta: m.Snapshot) -> dict[str, float]:
     """Decode's prompt tokens in (loaded or computed) and failed receives."""
     in_ = delta.total(m.PROMPT_TOKENS_BY_SOURCE)
@@ -151,10 +161,14 @@ class Sweep:
         pd = level.target == "pd"
         before = self._scrape() if pd else None
         started = time.monotonic()
-        try:
-            status = _run_level(self.parser, self.plan.bench_plan(), level, timeout)
-        except Exception as exc:  # a level's failure must not end the sweep
-            status = f"failed: {type(exc).__name__}: {exc}"
+        # vLLM's own printout (its arguments, its result table) to a file:
+        # the screen keeps one progress line per level.
+        log = result.with_suffix(".log")
+        with log.open("w") as out, contextlib.redirect_stdout(out):
+            try:
+                status = _run_level(self.parser, self.plan.bench_plan(), level, timeout)
+            except Exception as exc:  # a level's failure must not end the sweep
+                status = f"failed: {type(exc).__name__}: {exc}"
         took = time.monotonic() - started
         data = json.loads(result.read_text()) if result.exists() else None
         if before is not None:
@@ -211,6 +225,7 @@ class Sweep:
                     f"({self.plan.urls[target]}) failed: "
                     f"{(data or {}).get('errors') or 'no result'}"
                 )
+            self.say(f"  {target} alone:{_figures(data)[1:]}")
             e2el.append(float(data["mean_e2el_ms"]))
             if slo.good_requests(data) == 0:
                 self._unreachable(target, data)
@@ -253,7 +268,8 @@ class Sweep:
                 )
                 data = self.run_level(level, label)
                 share = slo.good_share(data) if data else 0.0
-                self.say(f"  {target} at {rate:.3g} req/s: {share:.0%} within the SLO")
+                self.say(f"  {target} at {rate:.3g} req/s: {share:.0%} within the SLO"
+                         + _figures(data))  # fmt: skip
                 if share < slo.GOOD_SHARE:
                     climbing.discard(target)
             if not climbing:
