@@ -127,10 +127,12 @@ def answers(sweep: Sweep) -> list[str]:
     tested = ", ".join(f"{r:.3g}" for r in sweep.rates) or "none"
     top = max(sweep.rates, default=None)
     ceiling = [TITLE[t] for t, r in (("pd", pd), ("colocated", colo)) if r == top]
+    held = " and ".join(ceiling)
+    held = held[:1].upper() + held[1:]
     out = [
         f"P/D sustains {_rate(pd)} {within} against {_rate(colo)} colocated "
         f"(ratio {ratio}; rates tried: {tested} req/s)."
-        + (f" {' and '.join(ceiling)} held the highest rate tried, so the limit lies "
+        + (f" {held} held the highest rate tried, so the limit lies "
            "higher (BENCH_GOODPUT_STEPS=N tries more)." if ceiling else "")
     ]  # fmt: skip
     probe = sweep.probe("pd")

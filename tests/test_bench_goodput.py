@@ -141,6 +141,9 @@ def test_report_opens_with_the_answers(tmp_path: Path) -> None:
     assert "P/D sustains 0.5 req/s within the SLO" in first
     assert "against 0.25 req/s colocated (ratio 2.00x" in first
     assert "highest rate tried" not in first
+    write_level(tmp_path / goodput.DIR, "colocated", 0.5, 1.0, [128] * 4)
+    colocated_on_top = report.build(tmp_path)["answers"][0]
+    assert "(ratio 1.00x" in colocated_on_top
     # The stack's lines, then the goodput table, all before the targets.
     assert text.index("## Goodput against") < text.index("## Targets")
     assert "KV transfer is 2.0% of P/D's TTFT at 128 tokens" in first
@@ -167,6 +170,10 @@ def test_a_target_holding_the_highest_rate_is_said_to_go_higher(
     (answer, *_) = report.build(run)["answers"]
     assert "P/D sustains 1 req/s" in answer
     assert "P/D held the highest rate tried, so the limit lies higher" in answer
+    for rate in (0.5, 1.0):  # held at every rate, the one missed before too
+        write_level(run / goodput.DIR, "colocated", rate, 1.0, [128] * 4)
+    (answer, *_) = report.build(run)["answers"]
+    assert "P/D and colocated held the highest rate tried" in answer
 
 
 def test_a_sweep_stopped_by_an_unreachable_slo_answers_nothing(tmp_path: Path) -> None:
