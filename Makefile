@@ -359,8 +359,12 @@ test-compose: install engine ## The real CPU images and compose stack: build, up
 
 # `make bench`: P/D against a colocated server with the same model and resources,
 # KV transfer cost, router overhead, Mooncake alone, start-up and memory. Without
-# URLs it starts (and stops) its own CPU twin and colocated server; give all four
-# BENCH_*_URL to measure a running stack instead (e.g. compose on a GPU host).
+# URLs it starts (and stops) its own CPU twin and colocated server; give
+# BENCH_ROUTER_URL, BENCH_PREFILL_URL, BENCH_DECODE_URL to measure a running stack
+# instead (e.g. compose on a GPU host; the colocated reference is then prefill
+# itself unless BENCH_COLOCATED_URL is given). Goodput at BENCH_SLO (ttft=MS,tpot=MS;
+# default: configs/targets/<target>.yaml), BENCH_QUICK=1 (about 3 minutes),
+# BENCH_API_KEY_FILE (a file holding the stack's API key): docs/bench.md.
 # Ports of the twin it starts: make bench ROUTER_PORT=9000 PREFILL_PORT=9100 ...
 BENCH_INPUT_LENS ?= 128,1024,4096
 BENCH_OUTPUT_LEN ?= 64
@@ -382,6 +386,9 @@ BENCH_TRANSFER_SIZES ?= 64K,256K,1M,4M,16M,64M,256M
 # 1: also time a start from an empty model cache (adds about 4 minutes).
 BENCH_COLD_START ?= 1
 BENCH_OUT ?= run/bench
+BENCH_SLO ?=
+BENCH_QUICK ?= 0
+BENCH_API_KEY_FILE ?=
 
 .PHONY: bench
 bench: install ## Benchmark P/D against colocated serving: report in run/bench/<time>/
@@ -395,6 +402,7 @@ bench: install ## Benchmark P/D against colocated serving: report in run/bench/<
 	  --colocated-port $(BENCH_COLOCATED_PORT) \
 	  --overhead-requests $(BENCH_OVERHEAD_REQUESTS) \
 	  --transfer-sizes $(BENCH_TRANSFER_SIZES) --cold-start $(BENCH_COLD_START) \
+	  --slo "$(BENCH_SLO)" --quick $(BENCH_QUICK) --api-key-file "$(BENCH_API_KEY_FILE)" \
 	  --out $(BENCH_OUT)
 
 .PHONY: clean

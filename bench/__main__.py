@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import hosts_link as hl
-from bench import levels, report, settings
+from bench import levels, preflight, report, settings, slo
 
 # The commands on the bench's settings, and what each does.
 COMMANDS = {
@@ -85,7 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         steps = {"checksum": run.checksum_only, "kv-path": run.kv_path_only}
         steps.get(opts.command, run.run)(chosen)
         return 0
-    except (settings.SettingsError, levels.ReportError, hl.HostsLinkError) as exc:
+    except (
+        settings.SettingsError,
+        levels.ReportError,
+        hl.HostsLinkError,
+        preflight.BenchInputError,
+        slo.SloError,
+    ) as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

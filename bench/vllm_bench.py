@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
-PERCENTILES = "50,99"
+PERCENTILES = "50,90,99"
 SETTLE_S = 30.0
 # A level given less time than this is skipped rather than started.
 MIN_LEVEL_S = 30.0
@@ -52,6 +52,10 @@ class Level:
     output_len: int | None = None
     range_ratio: float = 0.0
     timeout_s: float | None = None
+    # A Poisson arrival rate (req/s; None: all at once, --request-rate inf)
+    # and vllm bench serve's --goodput SLOs (e.g. "ttft:2000", "tpot:50").
+    request_rate: float | None = None
+    goodput: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class Plan:
     levels: tuple[Level, ...]
     # The whole sweep's time; later levels are skipped once it is spent.
     budget_s: float = float("inf")
+    # The profile's tokenizer needs its own code (Kimi's).
+    trust_remote_code: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)  # the levels too (a tuple of dicts: a JSON list)
@@ -70,7 +76,10 @@ class Plan:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Plan:
         """What to_json wrote (JSON keeps its numbers' types, and infinity)."""
-        levels = tuple(Level(**level) for level in data["levels"])
+        levels = tuple(
+            Level(**{**level, "goodput": tuple(level.get("goodput", ()))})
+            for level in data["levels"]
+        )
         return cls(**{**data, "levels": levels})
 
 
@@ -89,7 +98,8 @@ def bench_serve_args(plan: Plan, level: Level) -> list[str]:
         "--random-output-len", str(level.output_len or plan.output_len), *spread,
         "--num-prompts", str(level.num_prompts),
         "--max-concurrency", str(level.concurrency),
-        "--request-rate", "inf",
+        "--request-rate", "inf" if level.request_rate is None
+        else f"{level.request_rate:.4g}",
         "--temperature", "0",
         "--ignore-eos",
         "--seed", str(level.seed),
@@ -99,6 +109,8 @@ def bench_serve_args(plan: Plan, level: Level) -> list[str]:
         "--save-detailed",
         "--result-dir", str(result.parent),
         "--result-filename", result.name,
+        *(["--goodput", *level.goodput] if level.goodput else []),
+        *(["--trust-remote-code"] if plan.trust_remote_code else []),
         "--label", level.target,
         "--metadata", f"target={level.target}", f"input_len={level.input_len}",
         f"concurrency={level.concurrency}",

@@ -8,7 +8,10 @@ from what it wrote. No speed is asserted: only that the bench measured what
 happened (every request completed and counted, the bytes equal to the
 model's KV layout). Then the KV path's sweep for one state (bench.kv_path:
 a warm-up, one fresh request, a small burst, one fragmented request) on the
-same stack, read back and rendered.
+same stack, read back and rendered. Then the goodput sweep (bench.rate_sweep,
+tiny) whose every P/D level's KV evidence must verify, and its negative
+control: "P/D" requests sent to decode directly (decode recomputes) must fail
+the evidence and count for nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +32,7 @@ from conftest import Stack, require_full_install
 # venv has (aiohttp, numpy), so the skip comes before they are imported.
 require_full_install("the bench smoke test (`vllm bench serve`)")
 
-from bench import kv_path, kv_transfer, report, settings  # noqa: E402
+from bench import goodput, kv_path, kv_transfer, rate_sweep, report, settings  # noqa: E402
 from bench.run import tokenizer_of  # noqa: E402
 from bench.vllm_bench import Level, Plan  # noqa: E402
 
@@ -121,3 +125,56 @@ def test_kv_path_sweep_measures_each_request(stack: Stack, tmp_path: Path) -> No
     text = (tmp_path / "report.md").read_text()
     assert f"## {kv_path.TITLE}" in text
     assert "bytes per request: all 2 equal the layout's whole blocks" in text
+
+
+def goodput_sweep(stack: Stack, out: Path, pd_url: str) -> dict[str, Any]:
+    """bench.rate_sweep in its own process on the suite's stack, tiny: the
+    probes, one rate of two requests per target, then the report built.
+    ``pd_url``: where the "P/D" requests go (the router, or a wrong place)."""
+    where = out / goodput.DIR
+    where.mkdir(parents=True)
+    plan = rate_sweep.RatePlan(
+        model="pd-model", tokenizer=tokenizer_of(PROFILE), input_len=INPUT_LEN,
+        output_len=4, num_prompts=PROMPTS, ttft_ms=600_000, tpot_ms=60_000,
+        urls={"pd": pd_url, "colocated": stack.reference},
+        prefill_url=stack.prefill, decode_url=stack.decode, steps=1,
+        level_timeout_s=DEADLINE_S / 4, budget_s=DEADLINE_S, out=str(where),
+        slo_from="the smoke test", colocated_is="prefill itself",
+    )  # fmt: skip
+    rate_sweep.write_plan(plan, where / "plan.json")
+    env = {**os.environ, "PYTHONPATH": str(settings.ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.rate_sweep", str(where / "plan.json")],
+        cwd=settings.ROOT, env=env, timeout=DEADLINE_S, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return report.build(out)["goodput"]
+
+
+def test_goodput_sweep_verifies_every_p_d_level(stack: Stack, tmp_path: Path) -> None:
+    """Every P/D level's requests: decode loaded their prompts from prefill,
+    computed none, every region's checksum matched (where it is on)."""
+    swept = goodput_sweep(stack, tmp_path, stack.router)
+    pd = [lv for lv in swept["levels"] if lv["target"] == "pd"]
+    assert len(pd) == 2, swept["levels"]  # the probe and one rate
+    for level in pd:
+        assert level["status"] == "ok" and level["evidence"]["status"] == "verified", (
+            level
+        )
+    assert "KV crossed and was verified" in swept["answers"][2]
+    assert (tmp_path / goodput.DIR / goodput.PLOT).exists()
+
+
+def test_goodput_sweep_fails_a_decode_that_recomputes(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Negative control: the "P/D" requests sent to decode directly (no
+    transfer parameters: decode computes every prompt itself, fast and
+    proving nothing). Every such level's evidence must fail, and none count
+    as sustained."""
+    swept = goodput_sweep(stack, tmp_path, stack.decode)
+    pd = [lv for lv in swept["levels"] if lv["target"] == "pd"]
+    assert pd and all(lv["evidence"]["status"] == "failed" for lv in pd), pd
+    assert all("decode loaded 0 prompt tokens" in lv["evidence"]["detail"] for lv in pd)
+    assert swept["sustained_req_per_s"]["pd"] is None
+    assert "KV evidence FAILED" in swept["answers"][2]
