@@ -85,8 +85,8 @@ install: $(STAMP) ## Install the twin, tests and tools into .venv (pins: require
 	@scripts/install-apt.sh $(APT_PACKAGES)
 
 .PHONY: model
-model: install ## Generate the tiny MLA + Eagle3 model pair (cached)
-	$(PY) -m pdstack.tiny_model
+model: install ## Generate the tiny MLA + Eagle3 model pair and the tiny-mtp target (cached)
+	$(PY) -m pdstack.tiny_model --mtp
 
 .PHONY: up-cpu
 up-cpu: install ## Start the CPU twin (prefill, decode, router) in the background
