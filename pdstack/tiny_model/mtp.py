@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdstack.tiny_model import params
-from pdstack.tiny_model.fit import _probe_group
+from pdstack.tiny_model.fit import probe_group
 from pdstack.tiny_model.target import config_fields
 from pdstack.tiny_model.tokenizer import SPECIAL_IDS, special_ids
 
@@ -246,7 +246,7 @@ def build_mtp(
     gen = torch.Generator().manual_seed(params.SEED + 2)
     samples, probes = [], []
     for length, count in params.PROBE_GROUPS:
-        prompts = _probe_group(tokenizer, length, count, gen)
+        prompts = probe_group(tokenizer, length, count, gen)
         progress(f"  probes: {count} x {length} tokens + {params.PROBE_MAX_TOKENS}")
         with torch.no_grad():
             tr = trace(model, prompts, params.PROBE_MAX_TOKENS)
