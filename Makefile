@@ -85,8 +85,8 @@ install: $(STAMP) ## Install the twin, tests and tools into .venv (pins: require
 	@scripts/install-apt.sh $(APT_PACKAGES)
 
 .PHONY: model
-model: install ## Generate the tiny MLA + Eagle3 model pair (cached)
-	$(PY) -m pdstack.tiny_model
+model: install ## Generate the tiny MLA + Eagle3 model pair and the tiny-mtp target (cached)
+	$(PY) -m pdstack.tiny_model --mtp
 
 .PHONY: up-cpu
 up-cpu: install ## Start the CPU twin (prefill, decode, router) in the background
@@ -172,12 +172,20 @@ profile: install ## Write configs/profiles/NAME.yaml from TARGET_CONFIG (+ DRAFT
 BF16_MODULES := e2e/test_correctness.py e2e/test_negative_controls.py \
   e2e/test_transfer_evidence.py
 
+# The second twin profile, tiny-mtp (the target's MTP layer as the draft):
+# what differs from tiny is the draft, so the modules that judge greedy
+# answers (P/D equals colocated) and the draft's acceptance and KV transfer
+# (its negative control included). Transfer plumbing, faults and load do not
+# depend on the draft type and run once, on tiny. About 2.5 minutes.
+MTP_MODULES := e2e/test_correctness.py e2e/test_spec_decode.py
+
 .PHONY: test
-test: install lint ## Everything CI runs: unit tests, the e2e suite on the CPU twin, its answers again in bfloat16
+test: install lint ## Everything CI runs: unit tests, the e2e suite on the CPU twin, its answers again in bfloat16 and on the tiny-mtp profile
 	$(PY) -m pdstack.preflight
 	PD_GEOMETRY_SERVERS=1 $(PY) -m pytest plugin/tests tests $(PYTEST_ARGS)
 	$(PY) -m pytest e2e $(PYTEST_ARGS)
 	PD_DTYPE=bfloat16 $(PY) -m pytest $(BF16_MODULES) $(PYTEST_ARGS)
+	PD_PROFILE=tiny-mtp $(PY) -m pytest $(MTP_MODULES) $(PYTEST_ARGS)
 
 # `make test-compat`: the plugin on the releases beside the one installed.
 # vLLM 0.19.1 (before PR 39596) in its own venv: the seed's registration and a

@@ -29,6 +29,7 @@ import pytest
 
 from pdstack import client, config, kv_layout, oracle, tiny_model, twin, wait
 from pdstack import metrics as m
+from pdstack.tiny_model import mtp, mtp_cache
 
 E2E_RUN_DIR = Path(__file__).resolve().parent.parent / "run" / "e2e"
 # The plugin's test-only fault switch on the twin's decode: on while it exists.
@@ -259,7 +260,7 @@ def twin_is_exact() -> bool:
     """The twin's greedy output is exact where it serves float32 (the tiny
     profile's cpu target), as vLLM's CPU MLA backend and the transformers
     reference compute; in another dtype it carries that dtype's noise."""
-    flags = config.with_env_overrides(config.vllm_flags("decode", "tiny", "cpu"))
+    flags = config.with_env_overrides(config.vllm_flags("decode", PROFILE, "cpu"))
     return flags.get("dtype") == "float32"
 
 
@@ -283,6 +284,15 @@ def probes() -> list[tiny_model.Probe]:
     A client venv cannot generate the pair (torch, transformers): it reads
     the probes of one this host generated before (the twin's, `make model`).
     """
+    if is_mtp_profile():
+        target = (
+            mtp_cache.ensure_mtp_model(progress=_progress)
+            if full_install()
+            else mtp_cache.generated_mtp()
+        )
+        if target is None:
+            client_skip("the tiny-mtp model's probes (not generated on this host)")
+        return mtp_cache.load_mtp_probes(target)
     if full_install():
         return tiny_model.load_probes(tiny_model.ensure_models(progress=_progress))
     models = tiny_model.cache.generated()
@@ -305,6 +315,15 @@ def pytest_configure(config: pytest.Config) -> None:
             "file of yours and pass E2E_API_KEY_FILE=<that file>",
             2,
         )
+
+
+# The twin's profile (PD_PROFILE, as `make up-cpu`): tiny (Eagle3 draft) or
+# tiny-mtp (the target's MTP layer); the probes and the layout follow it.
+PROFILE = os.environ.get("PD_PROFILE", "tiny")
+
+
+def is_mtp_profile() -> bool:
+    return config.profile(PROFILE).get("generate") == "tiny-mtp"
 
 
 @pytest.fixture(scope="session")
@@ -330,6 +349,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     E2E_RUN_DIR.mkdir(parents=True, exist_ok=True)
     FAULT_FILE.unlink(missing_ok=True)
     urls = twin.up(
+        profile=PROFILE,
         run_dir=E2E_RUN_DIR,
         progress=_progress,
         role_env={"decode": {FAULT_FILE_ENV: str(FAULT_FILE)}},
@@ -361,6 +381,10 @@ def layout(stack: Stack, request: pytest.FixtureRequest) -> kv_layout.KVLayout:
     else:
         # The tiny pair's, without generating it (no torch in a client venv).
         target, draft = tiny_model.layout_configs()
+        if is_mtp_profile():
+            # The MTP layer: one more MLA layer of the target's shapes.
+            target = mtp.mtp_config_fields()
+            draft = {**target, "num_hidden_layers": mtp.MTP_LAYERS}
     layouts = {}
     for name in ("prefill", "decode"):
         snapshot = m.scrape(getattr(stack, name))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Stack, decode_fault_file
+from conftest import PROFILE, Stack, decode_fault_file
 from pd_mooncake.faults import CORRUPT_CHECKED_KV, CORRUPT_RECEIVED_KV
 from pdstack import client, config, kv_layout, oracle
 from pdstack import metrics as m
@@ -52,7 +52,9 @@ def checksum_on(stack: Stack) -> bool:
     if stack.owned:
         # The twin serves what configs/vllm says (kv_checksum: true there),
         # or PD_MOONCAKE_KV_CHECKSUM in this environment.
-        rendered = config.with_env_overrides(config.vllm_flags("decode", "tiny", "cpu"))
+        rendered = config.with_env_overrides(
+            config.vllm_flags("decode", PROFILE, "cpu")
+        )
         flags = rendered["kv-transfer-config"]
         configured = flags["kv_connector_extra_config"].get("kv_checksum", False)
         assert on["decode"] == configured, (on, configured)

@@ -190,9 +190,15 @@ def substituted(flags: Any, substitutions: Mapping[str, str]) -> Any:
 def tiny_substitutions(
     profile_name: str, progress: Callable[[str], None]
 ) -> dict[str, str]:
-    """What ``{tiny_target}`` and ``{tiny_draft}`` stand for: the tiny pair,
-    generated first, when the profile asks for it (none otherwise)."""
-    if profile(profile_name).get("generate") != "tiny":
+    """What ``{tiny_target}`` and ``{tiny_draft}`` stand for: the tiny pair
+    (``generate: tiny``) or the tiny MTP target (``generate: tiny-mtp``, its
+    draft inside), generated first (none for a hub profile)."""
+    generate = profile(profile_name).get("generate")
+    if generate == "tiny-mtp":
+        from pdstack.tiny_model.mtp_cache import ensure_mtp_model
+
+        return {"tiny_target": str(ensure_mtp_model(progress=progress))}
+    if generate != "tiny":
         return {}
     from pdstack.tiny_model import ensure_models
 

@@ -16,7 +16,9 @@ is what tests need from a detector; on other prompts acceptance is ~0.
 
 Modules: params (every constant that shapes the files, and their stamp),
 tokenizer, target, draft (checkpoint layout), eagle3 (vLLM's draft forward in
-plain PyTorch), fit (the lm_head refit on the probes), cache (ensure_models).
+plain PyTorch), fit (the lm_head refit on the probes), cache (ensure_models);
+mtp and mtp_cache: the tiny-mtp profile's target, whose own MTP layer is the
+draft (ensure_mtp_model).
 Heavy imports (torch, transformers) stay inside functions, so importing this
 package for its constants is cheap.
 """

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 
-def _probe_group(
+def probe_group(
     tokenizer: PreTrainedTokenizerFast, length: int, count: int, gen: torch.Generator
 ) -> torch.Tensor:
     """`count` prompts of `length` tokens: BOS, then alternately an English
@@ -106,7 +106,7 @@ def build_draft(
     gen = torch.Generator().manual_seed(params.SEED + 2)
     samples, probes = [], []
     for length, count in params.PROBE_GROUPS:
-        prompts = _probe_group(tokenizer, length, count, gen)
+        prompts = probe_group(tokenizer, length, count, gen)
         progress(
             f"  probes: {len(prompts)} x {prompts.shape[1]} tokens "
             f"+ {params.PROBE_MAX_TOKENS} greedy"

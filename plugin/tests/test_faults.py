@@ -50,3 +50,22 @@ def test_corrupts_the_block_dimension_of_kv_first_gpu_layouts() -> None:
     assert [b for b in range(6) if torch.count_nonzero(draft[:, b])] == [1, 4]
     with pytest.raises(ValueError, match="no dimension of 7 blocks"):
         faults.corrupt_blocks({"x": torch.zeros(2, 6, 4)}, [1], num_blocks=7)
+
+
+def test_lose_draft_kv_picks_only_the_layers_after_the_target() -> None:
+    # vLLM's names: an 8-layer target's MLA layers, then an MTP layer (and
+    # an Eagle3 draft's attention, numbered the same way).
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(4, 16, 576) for i in range(8)
+    }
+    caches["model.layers.8.self_attn.attn"] = torch.zeros(4, 16, 576)
+    caches["model.layers.18.self_attn.attn"] = torch.zeros(4, 16, 576)
+    draft = faults.draft_caches(caches, target_layers=8)
+    assert sorted(draft) == [
+        "model.layers.18.self_attn.attn",
+        "model.layers.8.self_attn.attn",
+    ]
+    assert faults.corrupt_blocks(draft, [2]) == 1
+    assert torch.count_nonzero(caches["model.layers.8.self_attn.attn"][2])
+    assert not torch.count_nonzero(caches["model.layers.7.self_attn.attn"])
+    assert faults.draft_caches(caches, target_layers=19) == {}

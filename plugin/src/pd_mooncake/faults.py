@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,10 +28,21 @@ CORRUPT_RECEIVED_KV = "corrupt_received_kv"
 # The same, after decode's KV checksum (pd_mooncake.checksum) verified the
 # blocks: what the checksum cannot see, and the correctness check must.
 CORRUPT_CHECKED_KV = "corrupt_checked_kv"
+# Only the draft's layers (Eagle3's GQA layer, an MTP layer: vLLM numbers
+# them from the target's num_hidden_layers on), after the checksum: what a
+# transfer that left the draft's region out would leave decode computing
+# with. Greedy answers stay right (the target verifies every draft token);
+# only acceptance can show it (e2e/test_spec_decode.py).
+LOSE_DRAFT_KV = "lose_draft_kv"
 # Prefill: serve pulls whose KV geometry it would refuse (pd_mooncake.geometry):
 # the negative control of the geometry handshake.
 SKIP_GEOMETRY_CHECK = "skip_geometry_check"
-KNOWN_FAULTS = (CORRUPT_RECEIVED_KV, CORRUPT_CHECKED_KV, SKIP_GEOMETRY_CHECK)
+KNOWN_FAULTS = (
+    CORRUPT_RECEIVED_KV,
+    CORRUPT_CHECKED_KV,
+    LOSE_DRAFT_KV,
+    SKIP_GEOMETRY_CHECK,
+)
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -86,6 +98,20 @@ def corrupt_blocks(
         # Deterministic but far from any real activation.
         cache.index_fill_(dim, ids.to(cache.device), 3.0)
     return int(ids.numel())
+
+
+def draft_caches(
+    kv_caches: Mapping[str, torch.Tensor], target_layers: int
+) -> dict[str, torch.Tensor]:
+    """The draft's layers among ``kv_caches``: vLLM numbers an Eagle3 draft's
+    and an MTP layer's attention from the target's num_hidden_layers on
+    (``model.layers.<n>.``)."""
+    found = {n: re.search(r"(?:^|\.)layers\.(\d+)\.", n) for n in kv_caches}
+    return {
+        name: cache
+        for name, cache in kv_caches.items()
+        if (m := found[name]) is not None and int(m.group(1)) >= target_layers
+    }
 
 
 def _block_dim(cache: torch.Tensor, num_blocks: int | None) -> int | None:

@@ -172,6 +172,8 @@ class PullWorker:
         self._verify_kv_digests(response, pull_metas)
         if fault == faults.CORRUPT_CHECKED_KV:
             self._corrupt(response, pull_metas)
+        if fault == faults.LOSE_DRAFT_KV:
+            self._corrupt(response, pull_metas, draft_only=True)
         # Looked up before upstream settles them: 0.33 pops each from its copy
         # of pull_metas (_Settling). The copy is shallow (dict.copy()): the
         # PullReqMeta objects, and so the marker, are the ones every peer's

@@ -207,15 +207,22 @@ class RegionsWorker:
                 kernel,
             )
 
-    def _corrupt(self, response: Any, pull_metas: dict) -> None:
+    def _corrupt(
+        self, response: Any, pull_metas: dict, draft_only: bool = False
+    ) -> None:
         ratio = self._physical_blocks_per_logical_kv_block
+        caches = self.device_kv_caches
+        if draft_only:
+            caches = faults.draft_caches(
+                caches, self.vllm_config.model_config.hf_config.num_hidden_layers
+            )
         for req_id in response.ok_reqs or []:
             meta = pull_metas.get(req_id)
             if meta is None:
                 continue
             logical = [b for group in meta.local_block_ids for b in group]
             hit = faults.corrupt_blocks(
-                self.device_kv_caches,
+                caches,
                 registration.kernel_block_ids(logical, ratio),
                 num_blocks=self.kv_cache_config.num_blocks * ratio,
             )
