@@ -41,7 +41,7 @@ def test_load_64_concurrent_mixed_lengths(faults: fh.FaultStack) -> None:
         f"{d.total(m.EXTERNAL_HITS):.0f}/{tokens} prompt tokens",
     )
     assert failures == [], failures[0]
-    assert wrong == []
+    assert wrong == [], [expected[i].fault(outcomes[i]) for i in wrong]
     assert len({tuple(e.tokens) for e in expected}) > 32, (
         "outputs too alike to prove much"
     )
