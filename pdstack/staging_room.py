@@ -3,7 +3,7 @@ can send through it (pd_mooncake.staging), against max-model-len.
 
 A pull longer than the whole buffer goes directly, one descriptor per block
 and without the late-write protection (pd_mooncake.late_writes), until pulls
-cross staging in chunks (issue 26). On a large MLA model (Kimi-K2.5: 70 KB a token on
+cross staging in chunks (not yet). On a large MLA model (Kimi-K2.5: 70 KB a token on
 each rank) the reference 256 MiB take a few thousand tokens.
 """
 
