@@ -175,9 +175,10 @@ class Expected:
     """A request's reference answer (prefill served it whole) and what an
     answer to it must be on this stack: its tokens where the stack is exact;
     elsewhere (bfloat16, a GPU's batch-variant kernels) the same tokens, or
-    another one where the reference rated it within the stack's calibrated
-    band (pdstack.oracle.judge_tokens): a make e2e run on the bfloat16 twin
-    had 5 of the 64 load answers take a near-tie, each one correct."""
+    another one where the reference's own choice was a near-tie within the
+    stack's calibrated band (pdstack.oracle.judge_tokens): a make e2e run on
+    the bfloat16 twin had 5 of the 64 load answers leave the reference at a
+    near-tie, each one healthy."""
 
     steps: tuple[oracle.Step, ...]
     band: oracle.Band

@@ -216,6 +216,17 @@ def test_tokens_alone_taking_a_near_tie_pass_only_on_a_band(bf16_band: Band) -> 
     assert (exact.ok, exact.failure) == (False, "diverged")
 
 
+def test_tokens_alone_taking_an_unrated_token_at_a_near_tie_pass(
+    bf16_band: Band,
+) -> None:
+    """The bf16 twin's load answer that swung both ways at token 0 (margin
+    0.875, band 1.18): a token the reference did not rate, at a near-tie."""
+    answer = tokens_of(flipped(REFERENCE, at=0, token=31337))
+    assert oracle.judge_tokens(REFERENCE, answer, bf16_band).ok
+    # ... which judge, given the answer's log-probabilities, does not accept.
+    assert not judge(REFERENCE, flipped(REFERENCE, at=0, token=31337), bf16_band).ok
+
+
 @pytest.mark.parametrize("token", [640, 31337])
 def test_tokens_alone_leaving_a_confident_reference_fail(
     bf16_band: Band, token: int
