@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROFILE, Stack, is_mtp_profile
+from conftest import PROFILE, Stack, decode_fault_file, is_mtp_profile
 from pd_mooncake.faults import LOSE_DRAFT_KV
 from pdstack import client, config, tiny_model
 from pdstack import metrics as m
@@ -57,12 +57,24 @@ def test_drafts_are_proposed_and_accepted_as_colocated(
             f"drafts accepted, P/D decode {pd_accepted:.0f}/{pd_drafts:.0f}"
         )
         assert pd_drafts > 0
-        # The fitted draft is accepted on probes: most draft tokens pass (of
-        # k per step, at most k of every k + 1 tokens come from drafts).
-        assert pd_accepted >= 0.75 * MAX_TOKENS * k / (k + 1)
-        # Compare accepted tokens, not rates: decode counts one extra,
-        # always-rejected draft per request.
-        assert pd_accepted == ref_accepted
+        if stack.epsilon == 0:
+            # The fitted draft is accepted on probes: most draft tokens pass
+            # (of k per step, at most k of every k + 1 tokens come from
+            # drafts). Compare accepted tokens, not rates: decode counts one
+            # extra, always-rejected draft per request.
+            assert pd_accepted >= floor(k)
+            assert pd_accepted == ref_accepted
+        else:
+            # Not exact (bfloat16): the greedy text leaves the fitted probe
+            # path at its first near-tie, colocated and P/D alike (the bf16
+            # twin: 2 of 21 accepted colocated), and P/D's may leave it
+            # elsewhere: the counts agree within what one path's drafts do.
+            assert abs(pd_accepted - ref_accepted) <= 1 + 0.25 * ref_accepted
+
+
+def floor(k: int) -> float:
+    """The accepted draft tokens of a fitted draft on a probe, at least."""
+    return 0.75 * MAX_TOKENS * k / (k + 1)
 
 
 def _layer_index(region: str) -> int:
@@ -91,14 +103,12 @@ def test_draft_layer_is_among_transferred_regions(stack: Stack) -> None:
 @pytest.fixture
 def lose_draft_kv(stack: Stack) -> Iterator[Path]:
     """Switches decode's lose_draft_kv fault on by its file; off afterwards."""
-    if stack.fault_file is None:
-        pytest.skip("no fault switch for decode (the twin has one)")
-    stack.fault_file.parent.mkdir(parents=True, exist_ok=True)
-    stack.fault_file.write_text(LOSE_DRAFT_KV)
+    fault_file = decode_fault_file(stack)
+    fault_file.write_text(LOSE_DRAFT_KV)
     try:
-        yield stack.fault_file
+        yield fault_file
     finally:
-        stack.fault_file.unlink(missing_ok=True)
+        fault_file.unlink(missing_ok=True)
 
 
 @pytest.mark.usefixtures("lose_draft_kv")
@@ -119,6 +129,12 @@ def test_acceptance_parts_when_the_drafts_kv_is_lost(
         f"{ref_accepted:.0f}/{ref_drafts:.0f} drafts accepted, P/D decode "
         f"{pd_accepted:.0f}/{pd_drafts:.0f}"
     )
+    if ref_accepted < floor(speculative_tokens()):
+        pytest.skip(
+            f"colocated accepts {ref_accepted:.0f} draft tokens of {MAX_TOKENS} on "
+            "the probe (a stack that is not exact leaves the fitted path): too "
+            "few to see the draft's KV lost"
+        )
     assert got == want
     assert pd_drafts > 0
     assert pd_accepted < 0.5 * ref_accepted
