@@ -447,14 +447,21 @@ def dtype_worker(dtype: torch.dtype) -> Any:
     return worker
 
 
-def unchecked_send(prefill: Any, decode: Any) -> tuple:
-    """Upstream's descriptors for a one-block request (no geometry check)."""
+def unchecked_send(
+    prefill: Any,
+    decode: Any,
+    prefill_blocks: list[int] | None = None,
+    decode_blocks: list[int] | None = None,
+) -> tuple:
+    """Upstream's descriptors for request d-1 (no geometry check): prefill's
+    ``prefill_blocks`` (default [0]) into decode's ``decode_blocks`` ([1])."""
+    theirs = decode_blocks or [1]
     meta = upstream.MooncakeXferMetadata(
         remote_hostname="127.0.0.1",
         remote_port=4444,
         remote_tp_size=1,
         remote_tp_rank=0,
-        req_blocks={"d-1": ("xfer-1", [[1], [1]])},
+        req_blocks={"d-1": ("xfer-1", [theirs, theirs])},
         kv_caches_base_addr=decode.kv_caches_base_addr,
         block_lens=decode.block_len_per_layer,
         kv_block_lens=decode.kv_block_len_per_layer,
@@ -466,7 +473,8 @@ def unchecked_send(prefill: Any, decode: Any) -> tuple:
     )
     local, remote, err = prefill._prepare_transfer_regions(meta)
     assert err is None, err
-    send = upstream.SendBlockMeta("p-1", "xfer-1", [[0], [0]], asyncio.Event())
+    mine = prefill_blocks or [0]
+    send = upstream.SendBlockMeta("p-1", "xfer-1", [mine, mine], asyncio.Event())
     return asyncio.run(
         prefill._build_transfer_params([("d-1", send)], meta, local, remote)
     )
@@ -525,28 +533,8 @@ def test_unchecked_block_sizes_send_half_the_prompt_to_the_wrong_blocks() -> Non
     3, tokens 0-31 nowhere; no error."""
     prefill, decode = ratio_worker(1), ratio_worker(2)
     assert refused(prefill.geometry, decode.geometry) == ["block size"]
-    meta = upstream.MooncakeXferMetadata(
-        remote_hostname="127.0.0.1",
-        remote_port=4545,
-        remote_tp_size=1,
-        remote_tp_rank=0,
-        req_blocks={"d-1": ("xfer-1", [[2, 3], [2, 3]])},
-        kv_caches_base_addr=decode.kv_caches_base_addr,
-        block_lens=decode.block_len_per_layer,
-        kv_block_lens=decode.kv_block_len_per_layer,
-        registered_layer_names=decode.registered_layer_names,
-        registered_layer_indices=decode.registered_layer_indices,
-        registered_group_indices=decode.registered_group_indices,
-        registered_shared_group_ids=[list(g) for g in decode.region_shared_groups],
-        registered_row_offsets=decode.region_row_offsets,
-    )
-    local, remote, err = prefill._prepare_transfer_regions(meta)
-    assert err is None, err
-    send = upstream.SendBlockMeta(
-        "p-1", "xfer-1", [[0, 1, 2, 3], [0, 1, 2, 3]], asyncio.Event()
-    )
-    src, dst, lengths, err_reqs, err_msg = asyncio.run(
-        prefill._build_transfer_params([("d-1", send)], meta, local, remote)
+    src, dst, lengths, err_reqs, err_msg = unchecked_send(
+        prefill, decode, prefill_blocks=[0, 1, 2, 3], decode_blocks=[2, 3]
     )
     assert (err_reqs, err_msg) == ([], None)
     block = decode.block_len_per_layer[0]

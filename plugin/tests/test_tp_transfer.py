@@ -24,8 +24,8 @@ import msgspec
 import pytest
 import torch
 from deadlines import SPAWN_DEADLINE_S
+from test_tp_pairs import topology
 from test_transfer import connector_worker, pull_metadata
-from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
@@ -47,19 +47,6 @@ def shapes(tp: int) -> dict[str, tuple[int, ...]]:
         MLA_LAYER: (BLOCKS, 16, LATENT),
         DRAFT_LAYER: (BLOCKS, 16, DRAFT_HEADS // tp, HEAD),
     }
-
-
-def topology(rank: int, size: int) -> TransferTopology:
-    return TransferTopology(
-        tp_rank=rank,
-        tp_size=size,
-        block_size=16,
-        engine_id=f"tp{size}",
-        is_mla=True,
-        is_mamba=False,
-        total_num_kv_heads=1,
-        attn_backends=[],
-    )
 
 
 def rank_worker(
