@@ -426,12 +426,14 @@ class GeometryWorker:
         # Upstream set block_size to the kernel block size.
         kernel = int(self.block_size)
         ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1))
-        if cache_config is not None and model_config is not None:
-            block_size = int(cache_config.block_size)
-            kv_dtype = kv_dtype_name(cache_config.cache_dtype, model_config.dtype)
-        else:
-            block_size = kernel * ratio
-            kv_dtype = kv_dtype_name("auto", regions[0].dtype if regions else "")
+        # Read field by field: an older vLLM (0.19) or a test's stand-in config
+        # may lack one; the regions' own dtype and the kernel ratio stand in.
+        block_size = int(getattr(cache_config, "block_size", 0) or kernel * ratio)
+        kv_dtype = kv_dtype_name(
+            getattr(cache_config, "cache_dtype", None) or "auto",
+            getattr(model_config, "dtype", None)
+            or (regions[0].dtype if regions else ""),
+        )
         draft, k = draft_name(getattr(vc, "speculative_config", None))
         return Geometry(
             block_size=block_size,
