@@ -138,10 +138,12 @@ class StagingWorker:
         return staging.span_bound(counts, self.block_len_per_layer)
 
     def _staging_reserve(self, pull_metas: dict) -> staging.Offer | None:
-        """A span for this pull's KV now, or None (no room now); NoRoomError when
-        it can never fit. Staging must be on and the pull have blocks."""
+        """A span for this pull's KV now, or None (no room now). Staging must
+        be on and the pull have blocks."""
+        return self._staging_span(self._staging_need(pull_metas))
+
+    def _staging_span(self, nbytes: int) -> staging.Offer | None:
         assert self._arena is not None
-        nbytes = self._staging_need(pull_metas)
         offset = self._arena.reserve(nbytes)
         if offset is None:
             return None
@@ -173,11 +175,12 @@ class StagingWorker:
             return None
         wait_s = self.staging_hold.room_wait_s
         start = time.monotonic()
-        while (offer := self._staging_reserve(pull_metas)) is None:
+        # The need once: the poll below runs every ROOM_POLL_S.
+        while (offer := self._staging_span(need)) is None:
             if time.monotonic() - start >= wait_s:
                 raise staging.NoRoomError(
                     f"KV staging: no room for this pull's "
-                    f"{self._staging_need(pull_metas)} bytes in {wait_s:g} s "
+                    f"{need} bytes in {wait_s:g} s "
                     f"({self._arena.held()} of {self._arena.size} bytes held back "
                     "for late writes); not sent directly (late_writes)"
                 )
