@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from test_transfer import build_send
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
@@ -471,13 +472,7 @@ def unchecked_send(
         registered_shared_group_ids=[list(g) for g in decode.region_shared_groups],
         registered_row_offsets=decode.region_row_offsets,
     )
-    local, remote, err = prefill._prepare_transfer_regions(meta)
-    assert err is None, err
-    mine = prefill_blocks or [0]
-    send = upstream.SendBlockMeta("p-1", "xfer-1", [mine, mine], asyncio.Event())
-    return asyncio.run(
-        prefill._build_transfer_params([("d-1", send)], meta, local, remote)
-    )
+    return build_send(prefill, meta, prefill_blocks or [0], request="d-1")
 
 
 def test_unchecked_bfloat16_into_float32_writes_half_blocks_silently() -> None:

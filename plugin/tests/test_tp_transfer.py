@@ -17,7 +17,6 @@ addressing (upstream's heterogeneous-TP planner, PR #36869).
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import msgspec
@@ -25,7 +24,7 @@ import pytest
 import torch
 from deadlines import SPAWN_DEADLINE_S
 from test_tp_pairs import topology
-from test_transfer import connector_worker, pull_metadata
+from test_transfer import build_send, connector_worker, pull_metadata
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
@@ -92,17 +91,7 @@ def prefill_caches(size: int) -> list[dict[str, torch.Tensor]]:
 def send(worker: Any, engine: Any, meta: upstream.MooncakeXferMetadata) -> int:
     """What prefill rank ``worker`` sends for decode's pull; its byte count.
     A send that cannot be built fails the request (SendFailedError: why)."""
-    local, remote, err = worker._prepare_transfer_regions(meta)
-    assert err is None, err
-    send_meta = upstream.SendBlockMeta(
-        p_req_id="p-req",
-        transfer_id="xfer-1",
-        local_block_ids=[PREFILL_BLOCKS, PREFILL_BLOCKS],
-        ready=asyncio.Event(),
-    )
-    src, dst, lens, err_reqs, err_msg = asyncio.run(
-        worker._build_transfer_params([("d-req", send_meta)], meta, local, remote)
-    )
+    src, dst, lens, err_reqs, err_msg = build_send(worker, meta, PREFILL_BLOCKS)
     if err_msg is not None:
         raise SendFailedError(f"{err_reqs} failed: {err_msg}")
     if src:

@@ -112,6 +112,28 @@ class Decode:
         return {name: cache.numpy().tobytes() for name, cache in self.caches.items()}
 
 
+def build_send(
+    worker: Any,
+    meta: upstream.MooncakeXferMetadata,
+    prefill_blocks: list[int],
+    request: str = "d-req",
+) -> tuple[list[int], list[int], list[int], list[str], str | None]:
+    """Upstream's descriptors for sending prefill's ``prefill_blocks`` (in
+    both groups) as decode's ``request`` of pull ``meta``: (sources,
+    destinations, lengths, failed requests, error)."""
+    local, remote, err = worker._prepare_transfer_regions(meta)
+    assert err is None, err
+    send_meta = upstream.SendBlockMeta(
+        p_req_id="p-req",
+        transfer_id="xfer-1",
+        local_block_ids=[prefill_blocks, prefill_blocks],
+        ready=asyncio.Event(),
+    )
+    return asyncio.run(
+        worker._build_transfer_params([(request, send_meta)], meta, local, remote)
+    )
+
+
 def transfer(
     backport: bool, break_ratio: bool = False
 ) -> tuple[dict, dict, list[int], list[int], Any]:
@@ -127,17 +149,7 @@ def transfer(
         if break_ratio:
             # Negative control: logical block ids used as kernel block ids.
             worker._physical_blocks_per_logical_kv_block = 1
-        local, remote, err = worker._prepare_transfer_regions(meta)
-        assert err is None, err
-        send_meta = upstream.SendBlockMeta(
-            p_req_id="p-req",
-            transfer_id="xfer-1",
-            local_block_ids=[PREFILL_BLOCKS, PREFILL_BLOCKS],
-            ready=asyncio.Event(),
-        )
-        src, dst, lens, err_reqs, err_msg = asyncio.run(
-            worker._build_transfer_params([("d-req", send_meta)], meta, local, remote)
-        )
+        src, dst, lens, err_reqs, err_msg = build_send(worker, meta, PREFILL_BLOCKS)
         assert (err_reqs, err_msg) == ([], None)
         worker.engine = engine.engine  # the TransferEngine itself sends
         session = f"{meta.remote_hostname}:{meta.remote_port}"
