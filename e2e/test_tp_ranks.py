@@ -126,7 +126,6 @@ def test_every_rank_sends_its_layout_verified_and_staged(
     assert decode.total(m.CHECKSUM_MISMATCH) == 0
     # Each rank's KV crossed as a staged record: at least one descriptor per
     # rank, at most one rank's record in 1 MiB descriptors per rank.
-    record = staging.record_bytes([0] * layout.blocks(tokens) * layout.layers)
-    most = -(-(record + per_rank) // staging.CHUNK_BYTES)
+    most = staging.record_descriptors(layout.blocks(tokens) * layout.layers, per_rank)
     assert tp <= descriptors <= tp * most
     assert decode.by_label(m.STAGING_SECONDS, "phase").get("scatter", 0) > 0

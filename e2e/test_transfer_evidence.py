@@ -103,8 +103,7 @@ def test_a_staged_transfer_takes_few_descriptors(
     assert sent_phases.get("gather", 0) > 0 and sent_phases.get("write", 0) > 0
     assert decode.by_label(m.STAGING_SECONDS, "phase").get("scatter", 0) > 0
     entries = layout.blocks(kv_layout.tokens_loaded(length)) * layout.layers
-    record = staging.record_bytes([0] * entries) + prefill.total(m.BYTES)
-    most = -(-record // staging.CHUNK_BYTES)
+    most = staging.record_descriptors(entries, int(prefill.total(m.BYTES)))
     descriptors = prefill.total(m.DESCRIPTORS)
     print(f"{length}-token prompt: {descriptors:.0f} descriptors, at most {most}")
     assert 1 <= descriptors <= most
@@ -146,8 +145,7 @@ def test_a_prompt_at_max_model_len_goes_staged_on_a_fragmented_cache(
     sent_phases = prefill.by_label(m.STAGING_SECONDS, "phase")
     loaded = kv_layout.tokens_loaded(length)
     entries = layout.blocks(loaded) * layout.layers
-    record = staging.record_bytes([0] * entries) + prefill.total(m.BYTES)
-    most = -(-record // staging.CHUNK_BYTES)
+    most = staging.record_descriptors(entries, int(prefill.total(m.BYTES)))
     descriptors = prefill.total(m.DESCRIPTORS)
     print(
         f"{length}-token prompt after a burst: {descriptors:.0f} descriptors "

@@ -140,3 +140,13 @@ def test_chunks_cover_the_record_exactly() -> None:
     assert sum(lengths) == n and len(src) == 4
     assert [d - s for s, d in zip(src, dst, strict=True)] == [4000] * 4
     assert src == [1000 + i * staging.CHUNK_BYTES for i in range(4)]
+
+
+@pytest.mark.parametrize("entries, payload", [(1, 0), (9, 36864), (4608, 150_000_000)])
+def test_record_descriptors_bound_a_records_chunks(entries: int, payload: int) -> None:
+    """The e2e bound on a staged send's descriptors: its header and bytes
+    in CHUNK_BYTES pieces."""
+    record = staging.record_bytes([0] * entries) + payload
+    assert staging.record_descriptors(entries, payload) == -(
+        -record // staging.CHUNK_BYTES
+    )

@@ -88,6 +88,13 @@ def record_bytes(lengths: Sequence[int]) -> int:
     return head_bytes(len(lengths)) + sum(lengths)
 
 
+def record_descriptors(entries: int, payload: int) -> int:
+    """Mooncake descriptors a staged record takes at most: its header for
+    ``entries`` upstream descriptors and ``payload`` bytes of KV, written
+    in CHUNK_BYTES pieces."""
+    return -(-(head_bytes(entries) + payload) // CHUNK_BYTES)
+
+
 class NoRoomError(ValueError):
     """A pull or a send that staging cannot take (now, or ever): failed with
     this reason, never sent directly."""
