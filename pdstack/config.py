@@ -237,8 +237,8 @@ ENV_OVERRIDES: dict[str, tuple[str, tuple[str, ...], type]] = {
     # float32 (issue 25; the e2e suite then judges it in a calibrated band).
     "PD_DTYPE": ("dtype", (), str),
     # Tensor-parallel width of both roles over the profile's: the CPU twin at
-    # TP 2 (one rank per core here; e2e/test_tp_ranks.py). Pairs that differ
-    # per role are the profile's (pd_mooncake.tp_pairs says which serve).
+    # TP 2 (one rank per core here; e2e/test_tp_ranks.py). One role's own
+    # width: ROLE_ENV_OVERRIDES.
     "PD_TENSOR_PARALLEL_SIZE": ("tensor-parallel-size", (), int),
     # The opt-in KV checksum, on in configs/vllm: 0 runs a stack without it
     # (both roles must agree: set it for prefill and decode alike).
@@ -252,6 +252,15 @@ ENV_OVERRIDES: dict[str, tuple[str, tuple[str, ...], type]] = {
     # it to the StatefulSet pod name, which survives a restart.
     "PD_ENGINE_ID": ("kv-transfer-config", ("engine_id",), str),
 }
+# One role's own value of an ENV_OVERRIDES variable, over the both-roles one:
+# variable -> (role, the ENV_OVERRIDES variable whose flag it sets). Prefill
+# at a lower tensor-parallel width than decode is llm-d's recommended P/D
+# layout; pd_mooncake.tp_pairs says which pairs serve (the geometry handshake
+# refuses the others at the first pull, naming the pair).
+ROLE_ENV_OVERRIDES: dict[str, tuple[str, str]] = {
+    "PD_PREFILL_TENSOR_PARALLEL_SIZE": ("prefill", "PD_TENSOR_PARALLEL_SIZE"),
+    "PD_DECODE_TENSOR_PARALLEL_SIZE": ("decode", "PD_TENSOR_PARALLEL_SIZE"),
+}
 # The words a bool override takes (``bool("false")`` is True).
 BOOLS = {
     **dict.fromkeys(("1", "true", "yes", "on"), True),
@@ -260,12 +269,21 @@ BOOLS = {
 
 
 def with_env_overrides(
-    flags: Mapping[str, Any], env: Mapping[str, str] | None = None
+    flags: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    role: str | None = None,
 ) -> dict[str, Any]:
-    """``flags`` with the ENV_OVERRIDES that are set (non-empty) applied."""
+    """``flags`` with the ENV_OVERRIDES that are set (non-empty) applied, then
+    ``role``'s own (ROLE_ENV_OVERRIDES) over them."""
     env = os.environ if env is None else env
     out = copy.deepcopy(dict(flags))
-    for var, (flag, path, kind) in ENV_OVERRIDES.items():
+    settings = [*ENV_OVERRIDES.items()]
+    settings += [
+        (var, ENV_OVERRIDES[both])
+        for var, (own, both) in ROLE_ENV_OVERRIDES.items()
+        if own == role
+    ]
+    for var, (flag, path, kind) in settings:
         if not (raw := env.get(var, "")):
             continue
         try:

@@ -29,7 +29,9 @@ def plan(role: str, profile: str, target: str) -> tuple[dict, dict[str, str]]:
     substitutions = config.tiny_substitutions(
         profile, progress=lambda line: print(line, flush=True)
     )
-    flags = config.with_env_overrides(config.vllm_flags(role, profile, target))
+    flags = config.with_env_overrides(
+        config.vllm_flags(role, profile, target), role=role
+    )
     return flags, substitutions
 
 

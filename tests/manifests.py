@@ -91,7 +91,13 @@ def served(
     assert command[:3] == ["python3", "-m", "pdstack.serve"], command
     capsys.readouterr()
     with monkeypatch.context() as patch:
-        for name in {*ports(), "PD_PROFILE", "PD_TARGET", *config.ENV_OVERRIDES}:
+        for name in {
+            *ports(),
+            "PD_PROFILE",
+            "PD_TARGET",
+            *config.ENV_OVERRIDES,
+            *config.ROLE_ENV_OVERRIDES,
+        }:
             patch.delenv(name, raising=False)
         # What the GPU serving image sets (its ENV), unless ``env`` says.
         for name, value in {"PD_TARGET": "gpu", **env}.items():

@@ -99,6 +99,29 @@ def test_the_twin_can_run_tensor_parallel() -> None:
         config.with_env_overrides(base, {"PD_TENSOR_PARALLEL_SIZE": "0"})
 
 
+def test_each_role_can_have_its_own_tensor_parallel_width() -> None:
+    """PD_<ROLE>_TENSOR_PARALLEL_SIZE over the both-roles width, for its role
+    only; the role-less rendering ignores it; its range is checked too."""
+    env = {
+        "PD_TENSOR_PARALLEL_SIZE": "2",
+        "PD_PREFILL_TENSOR_PARALLEL_SIZE": "1",
+        "PD_DECODE_TENSOR_PARALLEL_SIZE": "4",
+    }
+    widths = {
+        role: config.with_env_overrides(
+            config.vllm_flags(role, "tiny", "cpu"), env, role=role
+        )["tensor-parallel-size"]
+        for role in config.ROLES
+    }
+    assert widths == {"prefill": 1, "decode": 4}
+    base = config.vllm_flags("decode", "tiny", "cpu")
+    assert config.with_env_overrides(base, env)["tensor-parallel-size"] == 2
+    with pytest.raises(config.ConfigError, match="PD_DECODE_TENSOR_PARALLEL_SIZE"):
+        config.with_env_overrides(
+            base, {"PD_DECODE_TENSOR_PARALLEL_SIZE": "0"}, role="decode"
+        )
+
+
 def test_each_prefill_replica_can_have_its_own_engine_id() -> None:
     base = config.vllm_flags("prefill", "tiny", "gpu")
     assert base["kv-transfer-config"]["engine_id"] == "pd-prefill"
@@ -340,7 +363,11 @@ def serve_print(
     env: dict[str, str],
     role: str = "decode",
 ) -> str:
-    for name in {*config.port_variables().values(), *config.ENV_OVERRIDES}:
+    for name in {
+        *config.port_variables().values(),
+        *config.ENV_OVERRIDES,
+        *config.ROLE_ENV_OVERRIDES,
+    }:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
