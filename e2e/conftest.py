@@ -23,10 +23,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
+from pd_mooncake import staging
 from pdstack import client, config, kv_layout, oracle, tiny_model, twin, wait
 from pdstack import metrics as m
 from pdstack.tiny_model import mtp, mtp_cache
@@ -260,7 +261,9 @@ def twin_is_exact() -> bool:
     """The twin's greedy output is exact where it serves float32 (the tiny
     profile's cpu target), as vLLM's CPU MLA backend and the transformers
     reference compute; in another dtype it carries that dtype's noise."""
-    flags = config.with_env_overrides(config.vllm_flags("decode", PROFILE, "cpu"))
+    flags = config.with_env_overrides(
+        config.vllm_flags("decode", PROFILE, "cpu"), role="decode"
+    )
     return flags.get("dtype") == "float32"
 
 
@@ -369,34 +372,83 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
         twin.down(E2E_RUN_DIR, progress=_progress)
 
 
+@dataclass(frozen=True)
+class Widths:
+    """Tensor-parallel ranks per server, as the servers report them."""
+
+    prefill: int
+    decode: int
+
+
 @pytest.fixture(scope="session")
-def layout(stack: Stack, request: pytest.FixtureRequest) -> kv_layout.KVLayout:
-    """What a transfer of this stack moves: the servers' block size and KV
-    type, the models' shapes. Prefill and decode must agree."""
+def widths(stack: Stack) -> Widths:
+    """Each decode rank pulls its own copy of a request's KV (from one
+    prefill rank): a request is ``decode`` transfers."""
+    found = {
+        name: int(
+            m.scrape(getattr(stack, name))
+            .labels_of(m.KV_CACHE_INFO)
+            .get("tensor_parallel_size")
+            or 1
+        )
+        for name in ("prefill", "decode")
+    }
+    print(f"[stack] tensor-parallel sizes {found}")
+    return Widths(**found)
+
+
+def staged_descriptors_most(
+    length: int, layout: kv_layout.KVLayout, prefill: m.Snapshot, widths: Widths
+) -> int:
+    """A staged request's descriptor bound: one record per decode rank, each
+    that rank's blocks x regions and bytes (staging.record_descriptors)."""
+    entries = layout.blocks(kv_layout.tokens_loaded(length)) * layout.layers
+    per_rank = int(prefill.total(m.BYTES)) // widths.decode
+    return widths.decode * staging.record_descriptors(entries, per_rank)
+
+
+ModelConfigs = tuple[dict[str, Any], dict[str, Any] | None]
+
+
+@pytest.fixture(scope="session")
+def model_configs(request: pytest.FixtureRequest) -> ModelConfigs:
+    """The served models' config.json fields (target, draft or None): the
+    options', else the profile's tiny pair's."""
     opt = request.config.getoption
     if opt("target_config"):
         target = kv_layout.read_config(Path(opt("target_config")))
         draft_path = opt("draft_config")
         draft = kv_layout.read_config(Path(draft_path)) if draft_path else None
-    else:
-        # The tiny pair's, without generating it (no torch in a client venv).
-        target, draft = tiny_model.layout_configs()
-        if is_mtp_profile():
-            # The MTP layer: one more MLA layer of the target's shapes.
-            target = mtp.mtp_config_fields()
-            draft = {**target, "num_hidden_layers": mtp.MTP_LAYERS}
+        return target, draft
+    if is_mtp_profile():
+        # The MTP layer: one more MLA layer of the target's shapes.
+        target = mtp.mtp_config_fields()
+        return target, {**target, "num_hidden_layers": mtp.MTP_LAYERS}
+    # The tiny pair's, without generating it (no torch in a client venv).
+    return tiny_model.layout_configs()
+
+
+@pytest.fixture(scope="session")
+def layout(stack: Stack, model_configs: ModelConfigs) -> kv_layout.KVLayout:
+    """What a transfer of this stack moves: the servers' block size and KV
+    type, the models' shapes, at decode's tensor-parallel width (each decode
+    rank receives its own region, from one prefill rank: with different
+    widths on the two roles, pd_mooncake.tp_pairs). Prefill and decode must
+    agree on the rest."""
+    target, draft = model_configs
+    snapshots = {name: m.scrape(getattr(stack, name)) for name in ("prefill", "decode")}
+    width = snapshots["decode"].labels_of(m.KV_CACHE_INFO).get("tensor_parallel_size")
     layouts = {}
-    for name in ("prefill", "decode"):
-        snapshot = m.scrape(getattr(stack, name))
+    for name, snapshot in snapshots.items():
+        kv_info = {**snapshot.labels_of(m.KV_CACHE_INFO)}
+        if kv_info:
+            kv_info["tensor_parallel_size"] = width or "1"
         layouts[name] = kv_layout.served(
-            snapshot.labels_of(m.CACHE_CONFIG_INFO),
-            snapshot.labels_of(m.KV_CACHE_INFO),
-            target,
-            draft,
+            snapshot.labels_of(m.CACHE_CONFIG_INFO), kv_info, target, draft
         )
-    print(f"[stack] KV layout: {layouts['prefill']}")
+    print(f"[stack] KV layout: {layouts['decode']}")
     assert layouts["prefill"] == layouts["decode"], layouts
-    return layouts["prefill"]
+    return layouts["decode"]
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -53,7 +53,7 @@ def checksum_on(stack: Stack) -> bool:
         # The twin serves what configs/vllm says (kv_checksum: true there),
         # or PD_MOONCAKE_KV_CHECKSUM in this environment.
         rendered = config.with_env_overrides(
-            config.vllm_flags("decode", PROFILE, "cpu")
+            config.vllm_flags("decode", PROFILE, "cpu"), role="decode"
         )
         flags = rendered["kv-transfer-config"]
         configured = flags["kv_connector_extra_config"].get("kv_checksum", False)

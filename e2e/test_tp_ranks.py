@@ -8,7 +8,10 @@ bytes the layout predicts for one rank (the latent whole, the draft's GQA
 heads split), each verified by the KV checksum on its decode rank and sent
 through that rank's staging buffer. Prefill's metrics add up the ranks'
 (vLLM aggregates the workers' connector stats), so the sums say it.
-Which pairs of different widths serve: pd_mooncake.tp_pairs.
+With different widths (``PD_PREFILL_TENSOR_PARALLEL_SIZE``,
+``PD_DECODE_TENSOR_PARALLEL_SIZE``; which pairs serve: pd_mooncake.tp_pairs)
+each decode rank pulls its region from one prefill rank: a request is as many
+transfers as decode has ranks, each an MLA latent whole.
 """
 
 from __future__ import annotations
@@ -17,9 +20,8 @@ import socket
 
 import pytest
 
-from conftest import Stack
-from pd_mooncake import staging
-from pdstack import config, kv_layout, tiny_model
+from conftest import ModelConfigs, Stack, Widths, staged_descriptors_most
+from pdstack import config, kv_layout
 from pdstack import metrics as m
 
 LENGTHS = {
@@ -31,27 +33,18 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def tp(stack: Stack) -> int:
-    widths = {
-        name: int(
-            m.scrape(getattr(stack, name))
-            .labels_of(m.KV_CACHE_INFO)
-            .get("tensor_parallel_size")
-            or 1
-        )
-        for name in ("prefill", "decode")
-    }
-    print(f"[tp] tensor-parallel sizes {widths}")
-    if widths["prefill"] < 2:
+def tp(widths: Widths) -> Widths:
+    if max(widths.prefill, widths.decode) < 2:
         pytest.skip(
             f"the stack is not tensor-parallel ({widths}); twin: set "
             "PD_TENSOR_PARALLEL_SIZE=2"
         )
-    assert widths["prefill"] == widths["decode"], widths
-    return widths["prefill"]
+    return widths
 
 
-def test_each_prefill_rank_listens_on_its_side_channel(stack: Stack, tp: int) -> None:
+def test_each_prefill_rank_listens_on_its_side_channel(
+    stack: Stack, tp: Widths
+) -> None:
     """pd_mooncake.reliability's fixed port per rank (bootstrap + offset + rank)."""
     if not stack.owned:
         pytest.skip("ports of a stack given by URLs are not known here")
@@ -61,7 +54,7 @@ def test_each_prefill_rank_listens_on_its_side_channel(stack: Stack, tp: int) ->
     extra = config.vllm_flags("prefill", "tiny", "cpu")["kv-transfer-config"][
         "kv_connector_extra_config"
     ]
-    for rank in range(tp):
+    for rank in range(tp.prefill):
         port = reliability.side_channel_port(
             config.ports().bootstrap,
             int(extra["side_channel_port_offset"]),
@@ -69,7 +62,7 @@ def test_each_prefill_rank_listens_on_its_side_channel(stack: Stack, tp: int) ->
             pp_rank=0,
             tp_rank=rank,
             pp_size=1,
-            tp_size=tp,
+            tp_size=tp.prefill,
         )
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             print(f"[tp] prefill rank {rank}: side channel on {port}")
@@ -77,55 +70,61 @@ def test_each_prefill_rank_listens_on_its_side_channel(stack: Stack, tp: int) ->
 
 @pytest.mark.parametrize("name", LENGTHS)
 def test_every_rank_sends_its_layout_verified_and_staged(
-    stack: Stack, layout: kv_layout.KVLayout, tp: int, name: str
+    stack: Stack,
+    layout: kv_layout.KVLayout,
+    model_configs: ModelConfigs,
+    tp: Widths,
+    name: str,
 ) -> None:
     length = LENGTHS[name](layout.block_size)
     prompt = stack.prompt(length, salt=3000 + length)
     expected = stack.reference_steps(prompt, MAX_TOKENS)
     decode0, prefill0 = m.scrape(stack.decode), m.scrape(stack.prefill)
+    checksum = decode0.total(m.CHECKSUM_ENABLED) > 0
     got = stack.answer(prompt, MAX_TOKENS)
-    # The checksum counts each region of each request on each decode rank.
-    verified = tp * layout.layers
+    # Each decode rank pulls once; the checksum counts each region of each
+    # request on each decode rank.
+    ranks = tp.decode
+    verified = ranks * layout.layers if checksum else 0
     decode = m.settle(
         stack.decode, decode0, lambda d: d.total(m.CHECKSUM_MATCH) >= verified
     )
-    prefill = m.settle(stack.prefill, prefill0, lambda d: d.total(m.TRANSFERS) >= tp)
+    prefill = m.settle(stack.prefill, prefill0, lambda d: d.total(m.TRANSFERS) >= ranks)
 
     verdict = stack.judge(expected, got, f"TP {tp}: {length}-token prompt")
     assert verdict.ok, verdict.describe()
 
     tokens = kv_layout.tokens_loaded(length)
-    # The layout's bytes are every rank's: one rank's is 1/tp of them.
-    per_rank = layout.transfer_bytes(tokens) // tp
-    per_rank_mla = layout.transfer_bytes(tokens, kv_layout.MLA) // tp
+    # The layout (decode's width: the conftest fixture) is every decode
+    # rank's: one rank's is 1/ranks of it.
+    per_rank = layout.transfer_bytes(tokens) // ranks
+    per_rank_mla = layout.transfer_bytes(tokens, kv_layout.MLA) // ranks
     regions = prefill.by_label(m.REGION_BYTES, "layout")
     descriptors = prefill.total(m.DESCRIPTORS)
     print(
-        f"[tp] {length}-token prompt: {prefill.total(m.TRANSFERS):.0f} transfers, "
-        f"{prefill.total(m.BYTES):.0f} bytes ({per_rank} per rank predicted), "
-        f"by layout {regions}, {descriptors:.0f} descriptors, decode checksum "
-        f"matches {decode.total(m.CHECKSUM_MATCH):.0f}, staging phases "
-        f"{prefill.by_label(m.STAGING_SECONDS, 'phase')} / "
+        f"[tp] {tp}, {length}-token prompt: {prefill.total(m.TRANSFERS):.0f} "
+        f"transfers, {prefill.total(m.BYTES):.0f} bytes ({per_rank} per decode "
+        f"rank predicted), by layout {regions}, {descriptors:.0f} descriptors, "
+        f"decode checksum matches {decode.total(m.CHECKSUM_MATCH):.0f}, staging "
+        f"phases {prefill.by_label(m.STAGING_SECONDS, 'phase')} / "
         f"{decode.by_label(m.STAGING_SECONDS, 'phase')}"
     )
-    # One transfer per rank, no failure, each rank's bytes as predicted.
-    assert prefill.total(m.TRANSFERS) == tp
+    # One transfer per decode rank, no failure, each rank's bytes as predicted.
+    assert prefill.total(m.TRANSFERS) == ranks
     assert prefill.total(m.FAILED_TRANSFERS) == 0
     assert prefill.total(m.FAILED_RECVS) == 0
-    assert prefill.total(m.BYTES) == tp * per_rank
-    # Each rank sends the whole latent (what one rank sends at TP 1) and its
-    # share of the draft's GQA heads.
-    one = kv_layout.layout(
-        *tiny_model.layout_configs(), layout.kv_dtype, layout.block_size, 1
-    )
+    assert prefill.total(m.BYTES) == ranks * per_rank
+    # Each rank receives the whole latent (what one rank sends at TP 1) and
+    # its share of a GQA draft's heads.
+    one = kv_layout.layout(*model_configs, layout.kv_dtype, layout.block_size, 1)
     assert per_rank_mla == one.transfer_bytes(tokens, kv_layout.MLA)
-    assert regions.get(kv_layout.MLA, 0) == tp * per_rank_mla
+    assert regions.get(kv_layout.MLA, 0) == ranks * per_rank_mla
     assert regions.get(kv_layout.GQA, 0) == layout.transfer_bytes(tokens, kv_layout.GQA)
     # Each decode rank verified each of its regions.
     assert decode.total(m.CHECKSUM_MATCH) == verified
     assert decode.total(m.CHECKSUM_MISMATCH) == 0
     # Each rank's KV crossed as a staged record: at least one descriptor per
     # rank, at most one rank's record in 1 MiB descriptors per rank.
-    most = staging.record_descriptors(layout.blocks(tokens) * layout.layers, per_rank)
-    assert tp <= descriptors <= tp * most
+    most = staged_descriptors_most(length, layout, prefill, tp)
+    assert ranks <= descriptors <= most
     assert decode.by_label(m.STAGING_SECONDS, "phase").get("scatter", 0) > 0
