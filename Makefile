@@ -191,6 +191,20 @@ TP2_MODULES := e2e/test_tp_ranks.py
 test-tp2: install ## The twin at TP 2 on both roles: each rank's KV bytes, checksum and staging (~3 min)
 	PD_TENSOR_PARALLEL_SIZE=2 $(PY) -m pytest $(TP2_MODULES) $(PYTEST_ARGS)
 
+# Different widths on the two roles (llm-d's layout: prefill narrower than
+# decode, and the reverse), where pd_mooncake.tp_pairs says they serve: the
+# tiny-mtp profile (every layer MLA, copied whole rank to rank), the KV
+# checksum off (it needs the same width). Each pair exact against the
+# reference, one transfer per decode rank of the bytes its layout predicts.
+# The pair tp_pairs refuses (tiny's split Eagle3 heads): make test-geometry.
+TP_PAIR_MODULES := e2e/test_correctness.py e2e/test_transfer_evidence.py e2e/test_tp_ranks.py
+TP_PAIR_ENV := PD_PROFILE=tiny-mtp PD_MOONCAKE_KV_CHECKSUM=0
+
+.PHONY: test-tp-pairs
+test-tp-pairs: install ## The twin at prefill TP 1 -> decode TP 2 and 2 -> 1 (tiny-mtp): exact, each rank's KV bytes (~12 min)
+	$(TP_PAIR_ENV) PD_PREFILL_TENSOR_PARALLEL_SIZE=1 PD_DECODE_TENSOR_PARALLEL_SIZE=2 $(PY) -m pytest $(TP_PAIR_MODULES) $(PYTEST_ARGS)
+	$(TP_PAIR_ENV) PD_PREFILL_TENSOR_PARALLEL_SIZE=2 PD_DECODE_TENSOR_PARALLEL_SIZE=1 $(PY) -m pytest $(TP_PAIR_MODULES) $(PYTEST_ARGS)
+
 .PHONY: test
 test: install lint ## Everything CI runs: unit tests, the e2e suite on the CPU twin, its answers again in bfloat16 and on the tiny-mtp profile
 	$(PY) -m pdstack.preflight
