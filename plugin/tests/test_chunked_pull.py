@@ -21,6 +21,7 @@ import asyncio
 import math
 import queue
 import random
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -117,16 +118,22 @@ def worker(caches: dict[str, torch.Tensor], *, consumer: bool) -> Any:
     return w
 
 
-def run_pull(chunk_bytes: int | None, fail_at: int | None = None) -> dict[str, Any]:
+def run_pull(
+    chunk_bytes: int | None,
+    fail_at: int | None = None,
+    set_up: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
     """Prefill's request (REQUEST_BLOCKS random blocks) pulled by decode into
     other random blocks. ``fail_at``: prefill's send of that sub-pull (0 the
-    first) fails. What happened, for the assertions."""
+    first) fails; ``set_up`` runs once both workers are built. What
+    happened, for the assertions."""
     generator = torch.Generator().manual_seed(5)
     sent = {n: torch.randn(s, generator=generator) for n, s in SHAPES.items()}
     received = {n: torch.zeros(s) for n, s in SHAPES.items()}
     prefill = worker(sent, consumer=False)
     decode = worker(received, consumer=True)
     decode.chunk_bytes = chunk_bytes
+    set_up()
     log = DescriptorLog(prefill.engine)
     prefill.engine = log
     mine = random.Random(1).sample(range(LOGICAL_BLOCKS), REQUEST_BLOCKS)
@@ -322,3 +329,26 @@ def test_negative_control_without_chunks_the_long_pull_went_direct(
     assert len(run["pulls"]) == 1 and run["pulls"][0].pd_staging is None
     assert run["in_kv"] == run["writes"] and run["writes"]
     assert landed_wrong(run) == []  # right bytes, by the unprotected path
+
+
+def test_negative_control_a_chunk_counted_as_the_send_frees_prefills_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefill's guard removed (a chunk before the last counted as the
+    request's send): upstream frees the request after the first chunk, and
+    the second finds nothing to send; it fails after prefill's wait for a
+    request it no longer has (shortened here)."""
+    monkeypatch.setattr(
+        StagingWorker, "_chunk_not_the_send", staticmethod(lambda meta: None)
+    )
+    # After start-up, whose check refuses so short a wait.
+    run = run_pull(
+        CHUNK_BYTES,
+        set_up=lambda: monkeypatch.setenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "1"),
+    )
+    print(
+        f"control: {len(run['pulls'])} sub-pulls, prefill freed "
+        f"{run['prefill'].finished_sending_reqs}"
+    )
+    assert run["prefill"].finished_sending_reqs == {P_REQ}
+    assert len(run["pulls"]) == 2 and run["meta"].failed

@@ -361,16 +361,23 @@ class StagingWorker:
             mine = dataclasses.replace(send_meta, local_block_ids=local)
             ready.append((d_req_id, mine))
             if not wire_chunk[2]:
-                send_meta.need_send += 1
-                send_meta.expire_time = max(
-                    send_meta.expire_time,
-                    time.perf_counter() + _abort_timeout_s(),
-                )
+                self._chunk_not_the_send(send_meta)
         return await super()._build_transfer_params(  # type: ignore[misc]
             ready,
             msgspec.structs.replace(agent_meta, req_blocks=req_blocks),
             local_regions,
             remote_regions,
+        )
+
+    @staticmethod
+    def _chunk_not_the_send(send_meta: Any) -> None:
+        """A chunk before the last: upstream will count its answer in
+        ``sent`` and free the request at ``need_send``, so one more is
+        needed; and the request's abort timeout starts again (its pull is
+        in progress, its next chunk not yet asked for)."""
+        send_meta.need_send += 1
+        send_meta.expire_time = max(
+            send_meta.expire_time, time.perf_counter() + _abort_timeout_s()
         )
 
     def _chunk_of(
