@@ -8,7 +8,11 @@ a minute later). A copy in memory runs at 7-18 GB/s. So:
 
 - decode reserves, per pull, a span of its registered staging buffer large
   enough for the pull's blocks and offers it in the pull
-  (``wire.XferMetadata.pd_staging``: address, bytes, a nonce);
+  (``wire.XferMetadata.pd_staging``: address, bytes, a nonce); a pull
+  longer than the buffer is split into pulls that fit, and a request that
+  alone needs more crosses in chunks (``Chunk``: sub-pulls of runs of its
+  blocks, one span each, only the last settling the request), so every
+  pull is staged whatever its length;
 - prefill, for each send of that pull, copies upstream's source descriptors
   into its own registered staging buffer behind a header listing upstream's
   destination descriptors (a record), and writes the record to the next
