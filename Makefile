@@ -191,6 +191,12 @@ TP2_MODULES := e2e/test_tp_ranks.py
 test-tp2: install ## The twin at TP 2 on both roles: each rank's KV bytes, checksum and staging (~3 min)
 	PD_TENSOR_PARALLEL_SIZE=2 $(PY) -m pytest $(TP2_MODULES) $(PYTEST_ARGS)
 
+# `make test-chunked`: the twin with a 2 MiB KV staging buffer, so that a
+# 2100-token prompt crosses staging in chunks (issue 26; one twin boot).
+.PHONY: test-chunked
+test-chunked: install ## The twin with a small staging buffer: a long prompt staged in chunks, answered exactly (~3 min)
+	PD_MOONCAKE_KV_STAGING_MIB=2 $(PY) -m pytest e2e/test_chunked_staging.py $(PYTEST_ARGS)
+
 .PHONY: test
 test: install lint ## Everything CI runs: unit tests, the e2e suite on the CPU twin, its answers again in bfloat16 and on the tiny-mtp profile
 	$(PY) -m pdstack.preflight
