@@ -352,3 +352,18 @@ def test_negative_control_a_chunk_counted_as_the_send_frees_prefills_request(
     )
     assert run["prefill"].finished_sending_reqs == {P_REQ}
     assert len(run["pulls"]) == 2 and run["meta"].failed
+
+
+def test_prefill_pairs_a_chunk_as_upstream_pairs_a_partial_prefix_hit() -> None:
+    """Decode lacks only the last blocks of the prompt (a prefix hit): upstream
+    reads prefill's last ``len(remote)`` blocks; a chunk's positions count
+    from decode's first block, so its blocks pair as the whole pull's do."""
+    prefill = StagingWorker()
+    local = [list(range(10, 20))]  # prefill's ten blocks
+    remote = [[7, 3, 9, 1, 5, 8]]  # decode asks for the last six
+    chunks = [[0, 4, 0], [4, 6, 1]]
+    pairs = [prefill._chunk_of(local, remote, c) for c in chunks]
+    assert pairs == [([[14, 15, 16, 17]], [[7, 3, 9, 1]]), ([[18, 19]], [[5, 8]])]
+    # Lists that do not pair are left to upstream, which reports them.
+    assert prefill._chunk_of([[1, 2]], remote, chunks[0]) is None
+    assert prefill._chunk_of(local, [*remote, []], chunks[0]) is None
