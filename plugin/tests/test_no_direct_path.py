@@ -233,6 +233,27 @@ def test_a_pull_larger_than_the_whole_buffer_is_pulled_in_chunks_that_fit() -> N
     assert worker._arena.held() == 0
 
 
+def test_a_pull_of_many_requests_over_the_buffer_goes_as_pulls_that_fit() -> None:
+    """Requests that each fit, together not: pulls of whole requests, every
+    one once and in order (a release notice too), each within the buffer."""
+    worker = staging_decode()
+    pulls: dict = {}
+    for i in range(5):
+        (meta,) = pull_meta("127.0.0.1:1", tasks=1).values()
+        meta.d_req_id = f"d-{i}"
+        meta.local_block_ids = [list(range(80 * i, 80 * i + 80))]
+        pulls[meta.d_req_id] = meta
+    (notice,) = pull_meta("127.0.0.1:1", tasks=1).values()
+    notice.local_block_ids = []
+    pulls["d-notice"] = notice
+    assert worker._staging_need(pulls) > worker._arena.size
+    parts, long = worker._staging_parts(pulls)
+    print(f"parts {[list(p) for p in parts]}")
+    assert long == [] and len(parts) > 1
+    assert [r for p in parts for r in p] == list(pulls)
+    assert all(worker._staging_need(p) <= worker._arena.size for p in parts)
+
+
 # -- prefill: a record that does not fit decode's span -----------------------------
 
 

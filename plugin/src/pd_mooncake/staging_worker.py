@@ -170,10 +170,11 @@ class StagingWorker:
         return min(self.chunk_bytes or self._arena.size, self._arena.size)
 
     def _staging_parts(self, pull_metas: dict) -> tuple[list[dict], list[str]]:
-        """A pull as pulls that each fit one span (requests in their order,
-        the first taking those without blocks), and the requests that do
-        not fit one alone (pulled in chunks: ``_staging_chunks``). A pull
-        that fits, or with staging off: itself, unchanged."""
+        """A pull as pulls that each fit one span (whole requests in their
+        order; one without blocks rides in the current one), and the
+        requests that do not fit one alone (pulled in chunks:
+        ``_staging_chunks``). A pull that fits, or with staging off: itself,
+        unchanged."""
         if self._arena is None or not pull_metas:
             return [pull_metas], []
         bound = self.chunk_bound
