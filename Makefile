@@ -205,6 +205,12 @@ test-tp-pairs: install ## The twin at prefill TP 1 -> decode TP 2 and 2 -> 1 (ti
 	$(TP_PAIR_ENV) PD_PREFILL_TENSOR_PARALLEL_SIZE=1 PD_DECODE_TENSOR_PARALLEL_SIZE=2 $(PY) -m pytest $(TP_PAIR_MODULES) $(PYTEST_ARGS)
 	$(TP_PAIR_ENV) PD_PREFILL_TENSOR_PARALLEL_SIZE=2 PD_DECODE_TENSOR_PARALLEL_SIZE=1 $(PY) -m pytest $(TP_PAIR_MODULES) $(PYTEST_ARGS)
 
+# `make test-chunked`: the twin with a 2 MiB KV staging buffer, so that a
+# 2100-token prompt crosses staging in chunks (issue 26; one twin boot).
+.PHONY: test-chunked
+test-chunked: install ## The twin with a small staging buffer: a long prompt staged in chunks, answered exactly (~3 min)
+	PD_MOONCAKE_KV_STAGING_MIB=2 $(PY) -m pytest e2e/test_chunked_staging.py $(PYTEST_ARGS)
+
 .PHONY: test
 test: install lint ## Everything CI runs: unit tests, the e2e suite on the CPU twin, its answers again in bfloat16 and on the tiny-mtp profile
 	$(PY) -m pdstack.preflight

@@ -82,9 +82,10 @@ class Check:
     # layer on one rank (what the plugin logs at start-up).
     regions: list[dict[str, Any]] = field(default_factory=list)
     bytes_per_token: int | None = None  # every layer, every rank
-    # The longest prompt one pull can send through the KV staging buffer
-    # (kv_staging_mib, on each rank); None: staging off.
-    staged_tokens: int | None = None
+    # Prompt tokens one chunk of a pull carries through the KV staging
+    # buffer (kv_staging_mib, on each rank; a longer prompt crosses in
+    # several); None: staging off.
+    chunk_tokens: int | None = None
     batch_invariant: bool | None = None
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

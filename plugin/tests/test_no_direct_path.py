@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 import socket
 import threading
 import time
@@ -212,20 +211,47 @@ def test_negative_control_without_the_split_the_notice_is_lost(
     assert sent == []  # prefill holds the rejected request until its timeout
 
 
-def test_a_pull_larger_than_the_whole_buffer_goes_direct_and_says_so(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Until pulls cross staging in chunks: direct, as before, at once (no
-    wait for room that can never come), with a warning."""
+def test_a_pull_larger_than_the_whole_buffer_is_pulled_in_chunks_that_fit() -> None:
+    """No wait for room that can never come, and no direct pull: chunks of
+    the request, each within the buffer, covering every block once."""
     worker = staging_decode()
     pulls = pull_meta("127.0.0.1:1", tasks=1)
-    pulls["d-1"].local_block_ids = [list(range(300))]  # 300 blocks > 1 MiB
-    with caplog.at_level(logging.WARNING, logger="vllm.pd_mooncake"):
-        start = time.monotonic()
-        assert asyncio.run(worker._staging_offer(pulls)) is None
-    assert time.monotonic() - start < 1.0
-    assert "without the late-write protection" in caplog.text
+    blocks = list(range(300))  # 300 blocks > 1 MiB
+    pulls["d-1"].local_block_ids = [blocks]
+    assert worker._staging_need(pulls) > worker._arena.size
+    parts, long = worker._staging_parts(pulls)
+    assert (parts, long) == ([], ["d-1"])
+    chunks = worker._staging_chunks("d-1", [blocks])
+    per_chunk = staging.chunk_blocks(worker._arena.size, [KV_BLOCK])
+    print(f"{len(chunks)} chunks of at most {per_chunk} blocks")
+    assert len(chunks) == -(-300 // per_chunk)
+    assert [c.start for c in chunks] == [0, *(c.stop for c in chunks[:-1])]
+    assert chunks[-1].stop == 300 and [c.last for c in chunks].count(True) == 1
+    for chunk in chunks:
+        part = worker._chunk_blocks([blocks], chunk, [False])
+        assert worker._groups_need([part]) <= worker._arena.size
     assert worker._arena.held() == 0
+
+
+def test_a_pull_of_many_requests_over_the_buffer_goes_as_pulls_that_fit() -> None:
+    """Requests that each fit, together not: pulls of whole requests, every
+    one once and in order (a release notice too), each within the buffer."""
+    worker = staging_decode()
+    pulls: dict = {}
+    for i in range(5):
+        (meta,) = pull_meta("127.0.0.1:1", tasks=1).values()
+        meta.d_req_id = f"d-{i}"
+        meta.local_block_ids = [list(range(80 * i, 80 * i + 80))]
+        pulls[meta.d_req_id] = meta
+    (notice,) = pull_meta("127.0.0.1:1", tasks=1).values()
+    notice.local_block_ids = []
+    pulls["d-notice"] = notice
+    assert worker._staging_need(pulls) > worker._arena.size
+    parts, long = worker._staging_parts(pulls)
+    print(f"parts {[list(p) for p in parts]}")
+    assert long == [] and len(parts) > 1
+    assert [r for p in parts for r in p] == list(pulls)
+    assert all(worker._staging_need(p) <= worker._arena.size for p in parts)
 
 
 # -- prefill: a record that does not fit decode's span -----------------------------

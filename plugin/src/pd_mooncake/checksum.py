@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
 
-from pd_mooncake import metric_names, wire
+from pd_mooncake import metric_names, staging, wire
 
 # The digest itself, without vLLM (scripts/gpu-datapath-check runs it where
 # only PyTorch is installed); importable from here as before.
@@ -262,12 +262,15 @@ class ChecksumWorker:
         if not self.kv_checksum:
             return built
         failed = set(built[3])
+        # A request pulled in chunks (staging.Chunk): digested with its last,
+        # over all its blocks, as decode verifies it once the last has landed.
+        chunks = staging.CHUNKS.get() or {}
         sent = {
             d_req_id: _sent_blocks(
                 meta.local_block_ids, agent_meta.req_blocks[d_req_id][1]
             )
             for d_req_id, meta in ready_reqs
-            if d_req_id not in failed
+            if d_req_id not in failed and chunks.get(d_req_id, [0, 0, 1])[-1]
         }
         # The bytes do not change while they are sent (prefill holds the
         # blocks until decode has them), so the digests are computed while

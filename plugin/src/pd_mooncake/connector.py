@@ -386,6 +386,8 @@ class PDMooncakeConnectorWorker(
         # Decode's staging span for this pull, filled by its sends.
         target = staging.Target.from_wire(getattr(meta, "pd_staging", None))
         target_token = staging.TARGET.set(target)
+        # A request decode pulls in chunks: this pull's run of its blocks.
+        chunks_token = staging.CHUNKS.set(getattr(meta, "pd_chunk", None))
         try:
             await super().send_kv_to_decode(
                 identity, send_deadline.StampingSocket(sock, clock), meta
@@ -394,6 +396,7 @@ class PDMooncakeConnectorWorker(
             send_deadline.PULL_CLOCK.reset(token)
             send_deadline.PULL_ARRIVAL.set(None)
             staging.TARGET.reset(target_token)
+            staging.CHUNKS.reset(chunks_token)
 
     async def record_send_reqs(self, metadata: Any) -> None:
         # Upstream pops "not processed" ids without a default (see reliability).

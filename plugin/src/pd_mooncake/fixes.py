@@ -437,6 +437,17 @@ FIXES: tuple[Fix, ...] = (
             ),
             Attr("MooncakeXferResponse", "ok_reqs"),
             Attr("PullReqMeta", "local_block_ids"),
+            # A request over one span goes in chunks (staging_worker): prefill
+            # slices the build and keeps a chunk before the last from counting
+            # as the request's send.
+            Method(
+                WORKER,
+                "_build_transfer_params",
+                ("ready_reqs", "agent_meta", "local_regions", "remote_regions"),
+                True,
+            ),
+            Attr("SendBlockMeta", "need_send"),
+            Attr("SendBlockMeta", "expire_time"),
         ),
         _staging_on,
         answers="a feature upstream lacks (no vLLM issue): one Mooncake descriptor "

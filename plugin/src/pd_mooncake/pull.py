@@ -60,7 +60,18 @@ class PullWorker:
         """Upstream's pull with a staging span offered (released, or held back
         if a write may still land, when the pull is over). With staging on, a
         pull that gets no span fails with the reason, unsent: never directly
-        (late_writes)."""
+        (late_writes). A pull longer than one span goes as pulls that each
+        fit one (one after another), a request longer than one span alone
+        in chunks (``_pull_chunked``)."""
+        geometry.PEER.set(worker_addr)
+        parts, long = self._staging_parts(pull_metas)
+        for part in parts:
+            await self._pull_staged(worker_addr, part)
+        for req_id in long:
+            await self._pull_chunked(worker_addr, {req_id: pull_metas[req_id]})
+
+    async def _pull_staged(self, worker_addr: str, pull_metas: dict) -> None:
+        """One pull through one span (or directly, staging off)."""
         staging.OFFER.set(None)
         try:
             offer = await self._staging_offer(pull_metas)
@@ -71,13 +82,58 @@ class PullWorker:
             offer = None
         staging.OFFER.set(offer)
         settling = SETTLING.set(_Settling())
-        geometry.PEER.set(worker_addr)
         try:
             await self._pull_while_alive(worker_addr, pull_metas)
         finally:
             SETTLING.reset(settling)
             loaded = all(_loaded(m) for m in pull_metas.values())
             self._staging_close(offer, loaded)
+
+    async def _pull_chunked(self, worker_addr: str, pull_metas: dict) -> None:
+        """One request longer than one span, as sub-pulls of upstream's
+        protocol, each of a run of its blocks (``staging.Chunk``, the pull's
+        ``pd_chunk``) through a span of its own, one after another: each
+        chunk's record is scattered into the blocks when its answer comes;
+        the last settles the request (reported received, the checksum over
+        all its blocks, prefill's send counted). A chunk that fails fails
+        the request: the rest are not pulled, its span is held back."""
+        ((req_id, meta),) = pull_metas.items()
+        try:
+            chunks = self._staging_chunks(req_id, meta.local_block_ids)
+        except staging.NoRoomError as exc:
+            self._fail_unstaged(pull_metas, exc)
+            return
+        whole = self._whole_groups(len(meta.local_block_ids))
+        for chunk in chunks:
+            blocks = self._chunk_blocks(meta.local_block_ids, chunk, whole)
+            staging.OFFER.set(None)
+            try:
+                offer = await self._staging_room(self._groups_need([blocks]))
+            except staging.NoRoomError as exc:
+                self._fail_unstaged(pull_metas, exc)
+                return
+            staging.OFFER.set(offer)
+            token = staging.CHUNK.set(chunk)
+            settling = SETTLING.set(_Settling())
+            try:
+                await self._pull_while_alive(worker_addr, pull_metas)
+            finally:
+                SETTLING.reset(settling)
+                staging.CHUNK.reset(token)
+                done = _loaded(meta) if chunk.last else chunk.landed
+                self._staging_close(offer, done)
+            if meta.failed or chunk.last:
+                return
+            if not chunk.landed:
+                # Answered without a record of it (a prefill that ignored the
+                # chunk, or an error upstream did not name the request in).
+                self._handle_failed_recv(
+                    dict(pull_metas),
+                    [req_id],
+                    f"KV staging: no record of blocks {chunk.start}-{chunk.stop} "
+                    "in prefill's answer",
+                )
+                return
 
     def _fail_unstaged(self, pull_metas: dict, exc: Exception) -> dict:
         """A pull staging cannot take: its requests with blocks fail, unsent.
@@ -165,6 +221,11 @@ class PullWorker:
         except ValueError as exc:
             failed, response.ok_reqs = response.ok_reqs, None
             self._handle_failed_recv(pull_metas, failed, str(exc))
+        chunk = staging.CHUNK.get()
+        if chunk is not None and not chunk.last:
+            # Its blocks are in place (the scatter); the request is not loaded
+            # before its last chunk: nothing to settle or verify yet.
+            response.ok_reqs = None
         fault = faults.active_fault()
         if fault == faults.CORRUPT_RECEIVED_KV:
             self._corrupt(response, pull_metas)

@@ -8,7 +8,11 @@ a minute later). A copy in memory runs at 7-18 GB/s. So:
 
 - decode reserves, per pull, a span of its registered staging buffer large
   enough for the pull's blocks and offers it in the pull
-  (``wire.XferMetadata.pd_staging``: address, bytes, a nonce);
+  (``wire.XferMetadata.pd_staging``: address, bytes, a nonce); a pull
+  longer than the buffer is split into pulls that fit, and a request that
+  alone needs more crosses in chunks (``Chunk``: sub-pulls of runs of its
+  blocks, one span each, only the last settling the request), so every
+  pull is staged whatever its length;
 - prefill, for each send of that pull, copies upstream's source descriptors
   into its own registered staging buffer behind a header listing upstream's
   destination descriptors (a record), and writes the record to the next
@@ -233,10 +237,64 @@ def span_bound(block_counts: Iterable[int], block_bytes: Sequence[int]) -> int:
     )
 
 
-def longest_prompt(capacity: int, block_bytes: Sequence[int], block_tokens: int) -> int:
-    """The most prompt tokens one pull can stage in ``capacity`` bytes (a
-    multiple of ``block_tokens``), by ``span_bound``."""
+def chunk_blocks(capacity: int, block_bytes: Sequence[int]) -> int:
+    """The most blocks (per KV cache group) of one request a span of
+    ``capacity`` bytes holds, by ``span_bound``: one chunk of a pull."""
     blocks = capacity // sum(block_bytes)
     while blocks and span_bound([blocks], block_bytes) > capacity:
         blocks -= 1
-    return blocks * block_tokens
+    return blocks
+
+
+# -- a request longer than one span: chunks ---------------------------------------
+@dataclass
+class Chunk:
+    """One sub-pull of a request whose KV needs more than one span: the block
+    positions ``[start, stop)`` of each of its KV cache groups (``whole``
+    groups, Mamba's state, go entire with the last chunk). Only the last
+    chunk settles the request, on both sides: decode reports it received
+    (and verifies its checksum over all its blocks), prefill counts it sent."""
+
+    req_id: str
+    start: int
+    stop: int
+    last: bool
+    # Decode: prefill answered this chunk's record (scattered into the blocks).
+    landed: bool = False
+
+    @property
+    def wire(self) -> dict[str, list[int]]:
+        return {self.req_id: [self.start, self.stop, int(self.last)]}
+
+
+def chunk_ranges(positions: int, per_chunk: int) -> list[tuple[int, int]]:
+    """Block positions ``[0, positions)`` in runs of at most ``per_chunk``."""
+    return [
+        (start, min(start + per_chunk, positions))
+        for start in range(0, positions, per_chunk)
+    ]
+
+
+def chunk_groups(
+    groups: Sequence[Sequence[int]],
+    start: int,
+    stop: int,
+    last: bool,
+    whole: Sequence[bool],
+) -> list[list[int]]:
+    """The blocks of one chunk: positions ``[start, stop)`` of each group; a
+    ``whole`` group entire in the last chunk, empty before."""
+    return [
+        (list(group) if last else []) if entire else list(group[start:stop])
+        for group, entire in zip(groups, whole, strict=True)
+    ]
+
+
+# Decode: the chunk of the sub-pull being run (its task); prefill: decode's
+# chunks of the pull being answered, by request ([start, stop, last]).
+CHUNK: contextvars.ContextVar[Chunk | None] = contextvars.ContextVar(
+    "pd_kv_staging_chunk", default=None
+)
+CHUNKS: contextvars.ContextVar[dict[str, list[int]] | None] = contextvars.ContextVar(
+    "pd_kv_staging_chunks", default=None
+)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -13,7 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+    mooncake_connector as upstream,
+)
 
 from pd_mooncake import device_copy, late_writes, staging, wire
 
@@ -52,6 +57,9 @@ class StagingWorker:
     _staging_memory: staging.Memory | None = None
     # The staging stream and the forward stream's KV-ready mark (device_copy).
     _ordering: device_copy.Ordering | None = None
+    # Decode: the most bytes one pull's span takes (None: the whole buffer); a
+    # longer request is pulled in chunks (a test's hook, to chunk small pulls).
+    chunk_bytes: int | None = None
 
     def _install_staging(self, extra: Any) -> None:
         self.staging_bytes = int(extra.get(staging.KEY, 0)) << 20
@@ -129,9 +137,14 @@ class StagingWorker:
 
     def _staging_need(self, pull_metas: dict) -> int:
         """Span bytes this pull's KV takes (0: nothing to stage)."""
+        return self._groups_need([m.local_block_ids for m in pull_metas.values()])
+
+    def _groups_need(self, requests: list[list[list[int]]]) -> int:
+        """Span bytes these requests' blocks (one list per KV cache group
+        each) take."""
         counts = []
-        for meta in pull_metas.values():
-            kernel = self._logical_to_kernel_block_ids(meta.local_block_ids)
+        for groups in requests:
+            kernel = self._logical_to_kernel_block_ids(groups)
             counts.append(max((len(g) for g in kernel), default=0))
         if not any(counts):
             return 0
@@ -149,6 +162,82 @@ class StagingWorker:
             return None
         return staging.Offer(offset, nbytes, self._arena.base + offset)
 
+    @property
+    def chunk_bound(self) -> int:
+        """The most bytes one pull's span takes: the whole buffer, or less
+        where ``chunk_bytes`` says (a test's hook)."""
+        assert self._arena is not None
+        return min(self.chunk_bytes or self._arena.size, self._arena.size)
+
+    def _staging_parts(self, pull_metas: dict) -> tuple[list[dict], list[str]]:
+        """A pull as pulls that each fit one span (whole requests in their
+        order; one without blocks rides in the current one), and the
+        requests that do not fit one alone (pulled in chunks:
+        ``_staging_chunks``). A pull that fits, or with staging off: itself,
+        unchanged."""
+        if self._arena is None or not pull_metas:
+            return [pull_metas], []
+        bound = self.chunk_bound
+        if self._staging_need(pull_metas) <= bound:
+            return [pull_metas], []
+        parts: list[dict] = [{}]
+        long: list[str] = []
+        room = bound
+        for req_id, meta in pull_metas.items():
+            need = self._staging_need({req_id: meta})
+            if need > bound:
+                long.append(req_id)
+                continue
+            if need > room:
+                parts.append({})
+                room = bound
+            parts[-1][req_id] = meta
+            room -= need
+        return [p for p in parts if p], long
+
+    def _whole_groups(self, count: int) -> list[bool]:
+        """Per KV cache group of a request, whether its chunks carry it
+        entire (in the last): Mamba's state blocks are no pages in token
+        order, and upstream filters their placeholders before pairing."""
+        config = getattr(self, "kv_cache_config", None)
+        groups = getattr(config, "transfer_groups", None)
+        mamba = getattr(upstream, "MambaSpec", None)
+        if not groups or mamba is None or len(groups) != count:
+            return [False] * count
+        return [isinstance(g.kv_cache_spec, mamba) for g in groups]
+
+    def _staging_chunks(self, req_id: str, groups: list[list[int]]) -> list:
+        """A request too long for one span as chunks that each fit one:
+        runs of its block positions (logical blocks, each ``ratio`` kernel
+        blocks). Raises NoRoomError where not even one block fits."""
+        bound = self.chunk_bound
+        whole = self._whole_groups(len(groups))
+        positions = max(
+            (len(g) for g, entire in zip(groups, whole, strict=True) if not entire),
+            default=0,
+        )
+        ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1))
+        per_chunk = staging.chunk_blocks(bound, self.block_len_per_layer) // ratio
+        chunks = [
+            staging.Chunk(req_id, start, stop, stop == positions)
+            for start, stop in staging.chunk_ranges(positions, max(per_chunk, 1))
+        ] or [staging.Chunk(req_id, 0, 0, True)]
+        for chunk in chunks:
+            need = self._groups_need([self._chunk_blocks(groups, chunk, whole)])
+            if need > bound:
+                raise staging.NoRoomError(
+                    f"KV staging: a chunk of {chunk.stop - chunk.start} blocks "
+                    f"takes {need} bytes, over the {bound} of a span "
+                    f"({staging.KEY}); not sent directly (late_writes)"
+                )
+        return chunks
+
+    @staticmethod
+    def _chunk_blocks(
+        groups: list[list[int]], chunk: staging.Chunk, whole: list[bool]
+    ) -> list[list[int]]:
+        return staging.chunk_groups(groups, chunk.start, chunk.stop, chunk.last, whole)
+
     async def _staging_offer(self, pull_metas: dict) -> staging.Offer | None:
         """A span for this pull's KV, waiting up to ``room_wait_s`` for one;
         None: staging off, or nothing to stage (a pull without blocks).
@@ -158,21 +247,19 @@ class StagingWorker:
         need = self._staging_need(pull_metas)
         if not need:
             return None
+        return await self._staging_room(need)
+
+    async def _staging_room(self, need: int) -> staging.Offer:
+        """A span of ``need`` bytes, waiting up to ``room_wait_s`` for one.
+        Raises NoRoomError (a need over the whole buffer at once: pulls are
+        split to fit it, ``_staging_parts``)."""
+        assert self._arena is not None
         if need > self._arena.size:
-            # Until a pull crosses staging in chunks (issue 26), one longer
-            # than the whole buffer goes directly, as it always did: without
-            # the late-write protection, said here. Failing it would refuse
-            # most long-context traffic (Kimi-K2.5 over 3,776 tokens at the
-            # default 256 MiB).
-            logger.warning(
-                "PD Mooncake: pull of %s takes %d bytes, over the %d of the KV "
-                f"staging buffer ({staging.KEY}): pulled directly, without the "
-                "late-write protection",
-                list(pull_metas),
-                need,
-                self._arena.size,
+            raise staging.NoRoomError(
+                f"KV staging: a pull of {need} bytes exceeds the "
+                f"{self._arena.size}-byte staging buffer ({staging.KEY}); not "
+                "sent directly (late_writes)"
             )
-            return None
         wait_s = self.staging_hold.room_wait_s
         start = time.monotonic()
         # The need once: the poll below runs every ROOM_POLL_S.
@@ -221,6 +308,8 @@ class StagingWorker:
         # The host waited for the scatter (only): the checksum and the next
         # forward read these blocks.
         self.xfer_stats.record_staging("scatter", time.monotonic() - start)
+        if (chunk := staging.CHUNK.get()) is not None:
+            chunk.landed = chunk.req_id in response.ok_reqs
 
     def _staging_close(self, offer: staging.Offer | None, loaded: bool) -> None:
         """The pull is over: its span back, or held back if a write to it may
@@ -238,6 +327,84 @@ class StagingWorker:
         self._arena.release(offer.offset, offer.nbytes, hold)
 
     # prefill ------------------------------------------------------------------
+    async def _build_transfer_params(
+        self,
+        ready_reqs: list,
+        agent_meta: Any,
+        local_regions: list,
+        remote_regions: list,
+    ) -> tuple[list[int], list[int], list[int], list[str], str | None]:
+        """Upstream's, for a chunked pull (``staging.CHUNKS``) of only each
+        chunk's blocks. A chunk before the last is not the request's send:
+        upstream counts each answered send (``sent``) and frees the request
+        at ``need_send``, so each such chunk adds one to ``need_send``, and
+        gives the request a new abort timeout (a pull in progress)."""
+        chunks = staging.CHUNKS.get()
+        if not chunks:
+            return await super()._build_transfer_params(  # type: ignore[misc]
+                ready_reqs, agent_meta, local_regions, remote_regions
+            )
+        req_blocks = dict(agent_meta.req_blocks)
+        ready = []
+        for d_req_id, send_meta in ready_reqs:
+            wire_chunk, entry = chunks.get(d_req_id), req_blocks.get(d_req_id)
+            sliced = (
+                self._chunk_of(send_meta.local_block_ids, entry[1], wire_chunk)
+                if wire_chunk is not None and entry is not None
+                else None
+            )
+            if sliced is None:
+                # Upstream reports a mismatch as it does for any pull.
+                ready.append((d_req_id, send_meta))
+                continue
+            local, remote = sliced
+            req_blocks[d_req_id] = (entry[0], remote)
+            mine = dataclasses.replace(send_meta, local_block_ids=local)
+            ready.append((d_req_id, mine))
+            if not wire_chunk[2]:
+                self._chunk_not_the_send(send_meta)
+        return await super()._build_transfer_params(  # type: ignore[misc]
+            ready,
+            msgspec.structs.replace(agent_meta, req_blocks=req_blocks),
+            local_regions,
+            remote_regions,
+        )
+
+    @staticmethod
+    def _chunk_not_the_send(send_meta: Any) -> None:
+        """A chunk before the last: upstream will count its answer in
+        ``sent`` and free the request at ``need_send``, so one more is
+        needed; and the request's abort timeout starts again (its pull is
+        in progress, its next chunk not yet asked for)."""
+        send_meta.need_send += 1
+        send_meta.expire_time = max(
+            send_meta.expire_time, time.perf_counter() + _abort_timeout_s()
+        )
+
+    def _chunk_of(
+        self, local: list[list[int]], remote: list[list[int]], wire_chunk: list[int]
+    ) -> tuple[list[list[int]], list[list[int]]] | None:
+        """Prefill's and decode's blocks of one chunk (None: the lists do not
+        pair, upstream reports it). Positions count from the first block
+        decode asked for: upstream reads prefill's last ``len(remote)``
+        blocks of each group (a partial prefix hit on decode)."""
+        if len(wire_chunk) != 3 or len(local) != len(remote):
+            return None
+        pairs = zip(local, remote, strict=True)
+        if any(len(mine) < len(theirs) for mine, theirs in pairs):
+            return None
+        start, stop, last = int(wire_chunk[0]), int(wire_chunk[1]), bool(wire_chunk[2])
+        whole = self._whole_groups(len(remote))
+        paired = [
+            # Mamba groups go as they are (upstream pairs them itself).
+            list(mine) if entire else list(mine[-len(theirs) :]) if theirs else []
+            for mine, theirs, entire in zip(local, remote, whole, strict=True)
+        ]
+        return (
+            staging.chunk_groups(paired, start, stop, last, whole),
+            staging.chunk_groups(remote, start, stop, last, whole),
+        )
+
     def _stage_send(
         self,
         src: list[int],
@@ -318,8 +485,20 @@ class StagingWorker:
 
 
 def _offer_fields() -> dict[str, Any]:
-    offer = staging.OFFER.get()
-    return {"pd_staging": offer.wire} if offer is not None else {}
+    fields: dict[str, Any] = {}
+    if (offer := staging.OFFER.get()) is not None:
+        fields["pd_staging"] = offer.wire
+    if (chunk := staging.CHUNK.get()) is not None:
+        fields["pd_chunk"] = chunk.wire
+    return fields
+
+
+def _abort_timeout_s() -> float:
+    """Prefill's wait for a pull after the request finished (upstream's
+    expiry, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT)."""
+    from vllm import envs
+
+    return float(envs.VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT)
 
 
 def _answer_fields(answer: Any) -> dict[str, Any]:

@@ -26,6 +26,9 @@ class XferMetadata(upstream.MooncakeXferMetadata, omit_defaults=True):
     pd_kv_checksum: bool = False
     # [address, bytes, nonce] of decode's span (staging.Offer.wire).
     pd_staging: list[int] | None = None
+    # A request too long for one span, pulled in chunks: per request
+    # [start, stop, last] of its block positions (staging.Chunk.wire).
+    pd_chunk: dict[str, list[int]] | None = None
     # Decode's KV geometry (geometry.Geometry.wire): prefill refuses a pull
     # whose geometry it cannot honour.
     pd_geometry: dict[str, Any] | None = None
