@@ -49,7 +49,8 @@ DEADLINE_S = 20.0
 # -- vLLM's scheduler, decode role -----------------------------------------------
 
 
-def decode_scheduler(bootstrap_port: int) -> Any:
+def decode_scheduler(bootstrap_port: int, policy: str = "fail") -> Any:
+    """``policy``: decode's kv_load_failure_policy."""
     if not MODEL_DIRS:
         pytest.skip("tiny model not built (python -m pdstack.tiny_model)")
     from vllm.config import (
@@ -88,6 +89,7 @@ def decode_scheduler(bootstrap_port: int) -> Any:
             kv_connector="PDMooncakeConnector",
             kv_role="kv_consumer",
             kv_connector_extra_config={"mooncake_protocol": "tcp"},
+            kv_load_failure_policy=policy,
         ),
     )
     config.cache_config.num_gpu_blocks = 64
