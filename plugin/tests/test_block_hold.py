@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
 
-from pd_mooncake import block_hold, late_writes, staging
+from pd_mooncake import block_hold, late_writes, metrics, staging
 from pd_mooncake.connector import PDMooncakeConnectorWorker
 
 HOLD = late_writes.DecodeHold(
@@ -124,6 +124,10 @@ def test_a_failed_direct_pull_keeps_its_blocks_until_the_hold_has_passed() -> No
         assert free_blocks(scheduler) == total
         assert "req-0" not in scheduler.requests
         assert len(worker.block_holds) == 0
+        # Counted: one hold started, one ended (none left behind).
+        counts = worker.xfer_stats.data
+        assert counts[metrics.BLOCK_HOLDS] == [1]
+        assert counts[metrics.BLOCK_HOLDS_ENDED] == [1]
 
     run(scenario, worker)
 
@@ -177,13 +181,13 @@ def test_the_table_reports_a_held_request_once_after_upstream_and_the_hold() -> 
     holds = block_hold.BlockHolds(limit=4)
     holds.hold(["a", "b"], 0.2)
     # Upstream's report of a held request waits; another passes.
-    assert holds.filter({"a", "c"}) == {"c"}
+    assert holds.filter({"a", "c"}) == ({"c"}, set())
     time.sleep(0.25)
     # Due: "a" (reported) goes, "b" stays until upstream reports it (vLLM
     # 0.33 reports a split pull's request after its last peer settled).
-    assert holds.filter(set()) == {"a"}
-    assert holds.filter(set()) == set()
-    assert holds.filter({"b"}) == {"b"}
+    assert holds.filter(set()) == ({"a"}, {"a"})
+    assert holds.filter(set()) == (set(), set())
+    assert holds.filter({"b"}) == ({"b"}, {"b"})
     assert len(holds) == 0
 
 
@@ -191,9 +195,9 @@ def test_a_later_end_only_extends_a_hold() -> None:
     holds = block_hold.BlockHolds(limit=4)
     holds.hold(["a"], 0.3)
     holds.hold(["a"], 0.0)
-    assert holds.filter({"a"}) == set()
+    assert holds.filter({"a"}) == (set(), set())
     time.sleep(0.35)
-    assert holds.filter(set()) == {"a"}
+    assert holds.filter(set()) == ({"a"}, {"a"})
 
 
 def test_a_table_past_its_limit_is_logged_not_released(
@@ -202,4 +206,4 @@ def test_a_table_past_its_limit_is_logged_not_released(
     holds = block_hold.BlockHolds(limit=1)
     holds.hold(["a", "b"], 60.0)
     assert "a hold leaks" in caplog.text
-    assert holds.filter({"a", "b"}) == set()
+    assert holds.filter({"a", "b"}) == (set(), set())

@@ -63,11 +63,13 @@ class BlockHolds:
                 self.limit,
             )
 
-    def filter(self, finished: set[str]) -> set[str]:
+    def filter(self, finished: set[str]) -> tuple[set[str], set[str]]:
         """Upstream's finished-receiving report, less the requests still held
-        and with those now due: what the scheduler may free."""
+        and with those now due: what the scheduler may free, and of it the
+        requests this table held until now."""
         now = time.monotonic()
         out = set()
+        released = set()
         for req_id in finished:
             if (entry := self._holds.get(req_id)) is None:
                 out.add(req_id)
@@ -77,9 +79,10 @@ class BlockHolds:
             if entry.reported and entry.until <= now:
                 del self._holds[req_id]
                 out.add(req_id)
+                released.add(req_id)
                 logger.info(
                     "PD Mooncake: blocks of failed pull %s back to reuse: no "
                     "write to them can land any more",
                     req_id,
                 )
-        return out
+        return out, released

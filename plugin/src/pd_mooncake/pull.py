@@ -73,7 +73,10 @@ class PullWorker:
         """Upstream's report (get_finished runs it on the receiver loop, as
         every pull), less the failed direct pulls still held (block_hold)."""
         finished = await super().fetch_finished_recving_reqs()
-        return self.block_holds.filter(finished)
+        free, released = self.block_holds.filter(finished)
+        if released:
+            self.xfer_stats.record_block_holds(ended=len(released))
+        return free
 
     async def receive_kv_from_single_worker(
         self, worker_addr: str, pull_metas: dict
@@ -203,6 +206,7 @@ class PullWorker:
             return
         hold_s = self.staging_hold.span_hold_s
         self.block_holds.hold(held, hold_s)
+        self.xfer_stats.record_block_holds(started=len(held))
         logger.warning(
             "PD Mooncake: KV blocks of failed direct pull %s held back %.0fs "
             "(a write prefill submitted may still land; %d requests held)",
