@@ -207,3 +207,24 @@ def test_a_table_past_its_limit_is_logged_not_released(
     holds.hold(["a", "b"], 60.0)
     assert "a hold leaks" in caplog.text
     assert holds.filter({"a", "b"}) == (set(), set())
+
+
+def test_decode_without_staging_states_the_hold_at_start_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from types import SimpleNamespace
+
+    worker = decode_worker(interval=0)
+    # Upstream's default timeouts, the kernel's default retransmits.
+    worker._hold = late_writes.DecodeHold.from_env({}, retries2=15)
+    for policy in ("fail", "recompute"):
+        config = SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy)
+        )
+        with caplog.at_level("INFO", logger="vllm.pd_mooncake"):
+            worker._state_block_hold(config)
+    fail, recompute = (r.getMessage() for r in caplog.records[-2:])
+    assert "keeps its KV blocks from reuse 1465s" in fail
+    assert "recomputed" not in fail
+    assert "waits that long before it is recomputed" in recompute
+    worker.async_zmq_ctx.destroy(linger=0)

@@ -136,6 +136,8 @@ class PDMooncakeConnectorWorker(
         self.stall_s = float(extra.get("send_stall_s", stall_guard.DEFAULT_STALL_S))
         self._install_checksum(extra if "kv_checksum" in attached else {})
         self._install_staging(extra if "kv_staging" in attached else {})
+        if self.is_kv_consumer and not self.staging_bytes:
+            self._state_block_hold(vllm_config)
         self._install_geometry()
 
     def _bound_sends(self, env: Any) -> None:

@@ -69,6 +69,23 @@ class PullWorker:
             self._block_holds = block_hold.BlockHolds(blocks or HELD_LIMIT)
         return self._block_holds
 
+    def _state_block_hold(self, vllm_config: Any) -> None:
+        """Start-up, decode without staging: every pull is direct, and what a
+        failed one costs (late_writes)."""
+        policy = getattr(
+            vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail"
+        )
+        hold_s = self.staging_hold.span_hold_s
+        logger.info(
+            "PD Mooncake: KV staging off: a failed pull keeps its KV blocks "
+            "from reuse %.0fs (a late write may land; late_writes)%s",
+            hold_s,
+            f"; under kv_load_failure_policy {policy} its request waits that "
+            "long before it is recomputed"
+            if policy == "recompute"
+            else "",
+        )
+
     async def fetch_finished_recving_reqs(self) -> set[str]:
         """Upstream's report (get_finished runs it on the receiver loop, as
         every pull), less the failed direct pulls still held (block_hold)."""
