@@ -8,6 +8,9 @@ running does (stall_guard.write). Decode's worker runs upstream's pull; its
 reports reach vLLM's own Scheduler through get_finished's coroutine
 (fetch_finished_recving_reqs) and the invalid-block queue, as the model
 runner hands them over. The hold is shortened (a DecodeHold of 0.5 s).
+The last two tests land a real Mooncake write late in decode's blocks (a
+process of its own) and compare the next request's block byte for byte,
+with the hold and without it (the negative control).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 from test_pull_failures import (
     DEADLINE_S,
     ScriptedSideChannel,
@@ -228,3 +232,103 @@ def test_decode_without_staging_states_the_hold_at_start_up(
     assert "recomputed" not in fail
     assert "waits that long before it is recomputed" in recompute
     worker.async_zmq_ctx.destroy(linger=0)
+
+
+# -- a real Mooncake write landing late ---------------------------------------
+# Decode's KV cache is two registered blocks in a process of its own behind a
+# real TransferEngine (decode_peer; vLLM's scheduler ids 1 and 2 are its
+# blocks 0 and 1); prefill's submission, made before decode failed the pull,
+# lands LATE_S after it, through a real TransferEngine from this process.
+# The cache has room for one request: the next one gets the failed one's
+# blocks as soon as vLLM frees them.
+
+LATE_S = 0.2
+
+
+def local_request() -> Any:
+    """Another request, computed on decode (its prefill writes its blocks)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(
+        request_id="local",
+        prompt_token_ids=list(range(100, 120)),  # two blocks, no prefix hit
+        sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
+        pooling_params=None,
+    )
+
+
+def late_write_into_reused_blocks() -> bytes:
+    """Decode's block 0 (the failed request's first block) once the late
+    write landed and the next request, whenever vLLM gave it blocks, wrote
+    its KV there (decode_peer's canary)."""
+    from decode_peer import BLOCK, SENT, Decode
+
+    from conftest import RecordingEngine
+
+    scheduler = decode_scheduler(1, num_blocks=3)
+    worker = decode_worker(interval=0)
+    worker._hold = HOLD
+    decode = Decode()
+    prefill = RecordingEngine()
+    source = torch.full((BLOCK,), SENT, dtype=torch.uint8)
+    prefill.batch_register_memory([source.data_ptr()], [BLOCK])
+    other = local_request()
+
+    def owner_writes() -> bool:
+        # The forward that computes the other request's prompt writes its
+        # blocks: block id 1 is decode's block 0.
+        (ids,) = scheduler.kv_cache_manager.get_block_ids(other.request_id)
+        if 1 in ids:
+            assert decode.ask("reuse") == "reused"
+        return bool(ids)
+
+    async def scenario() -> None:
+        await failed_direct_pull(scheduler, worker)
+        failed = time.monotonic()
+        await step(scheduler, worker)  # the failure reaches the scheduler
+        scheduler.add_request(other)
+        await step(scheduler, worker)
+        written = bool(scheduler.kv_cache_manager.get_block_ids("local")[0])
+        if written:
+            owner_writes()
+        await asyncio.sleep(max(0.0, failed + LATE_S - time.monotonic()))
+        status = prefill.engine.batch_transfer_sync_write(
+            decode.session, [source.data_ptr()], [decode.base], [BLOCK]
+        )
+        assert status == 0, "the late write did not go through"
+        if not written:
+            # Held: the late write landed in the failed request's block.
+            assert decode.ask("read")[:BLOCK] == bytes([SENT]) * BLOCK
+        deadline = time.monotonic() + DEADLINE_S
+        while not written:
+            assert time.monotonic() < deadline, "never given blocks"
+            await asyncio.sleep(0.05)
+            await step(scheduler, worker)
+            if scheduler.kv_cache_manager.get_block_ids("local")[0]:
+                written = owner_writes()
+
+    try:
+        run(scenario, worker)
+        return decode.ask("read")[:BLOCK]
+    finally:
+        for ptrs, _ in prefill.registered:
+            prefill.batch_unregister_memory(ptrs)
+        decode.close()
+
+
+def test_a_late_write_lands_in_held_blocks_not_in_the_next_requests() -> None:
+    from decode_peer import BLOCK, CANARY
+
+    block0 = late_write_into_reused_blocks()
+    assert block0 == bytes([CANARY]) * BLOCK
+
+
+def test_negative_control_without_the_hold_the_late_write_corrupts_the_next_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from decode_peer import BLOCK, SENT
+
+    monkeypatch.setattr(PDMooncakeConnectorWorker, "_hold_blocks", lambda *a: None)
+    block0 = late_write_into_reused_blocks()
+    assert block0 == bytes([SENT]) * BLOCK, "the late write did not land there"
