@@ -34,21 +34,17 @@ does not take; ``block_hold`` and ``pull`` keep it):
 
     A direct pull that fails after decode asked prefill for it keeps its
     requests' KV blocks allocated ``span_hold_s`` past the pull's end (the
-    same hold, for the same reason, as a span's); the request fails at
-    once. Prefill writes into decode's KV blocks directly, and vLLM frees
-    a failed load's blocks when the worker reports the request finished
-    receiving (vLLM 0.32 and 0.33, scheduler
-    ``_update_from_kv_xfer_finished``; ``finish_requests`` leaves a request
-    waiting for remote KV allocated until then): that report waits for the
-    hold. Under ``kv_load_failure_policy: fail`` (vLLM's default) the
-    client gets its error at once and the blocks come back after the
-    hold. Under ``recompute`` the request stays waiting for its KV until
-    the hold has passed and is recomputed only then: recomputing earlier,
-    into its own blocks or blocks freed for it, is what a late write
-    corrupts (a resend's orphan can carry another request's KV, issue 26),
-    and a connector cannot give it other blocks; so recompute costs a
-    failed direct pull the hold (use ``fail``, or staging, where that is
-    too long).
+    same hold, for the same reason, as a span's: prefill writes into those
+    blocks directly); the request fails at once (how vLLM is made to keep
+    them: ``block_hold``). Under ``kv_load_failure_policy: fail`` (vLLM's
+    default) the client gets its error at once and the blocks come back
+    after the hold. Under ``recompute`` the request stays waiting for its
+    KV until the hold has passed and is recomputed only then: recomputing
+    earlier, into its own blocks or blocks freed for it, is what a late
+    write corrupts (a resend's orphan can carry another request's KV,
+    issue 26), and a connector cannot give it other blocks; so recompute
+    costs a failed direct pull the hold (use ``fail``, or staging, where
+    that is too long).
 """
 
 from __future__ import annotations
