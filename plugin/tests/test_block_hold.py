@@ -332,3 +332,44 @@ def test_negative_control_without_the_hold_the_late_write_corrupts_the_next_requ
     monkeypatch.setattr(PDMooncakeConnectorWorker, "_hold_blocks", lambda *a: None)
     block0 = late_write_into_reused_blocks()
     assert block0 == bytes([SENT]) * BLOCK, "the late write did not land there"
+
+
+def test_a_split_pulls_hold_runs_from_its_last_peers_end() -> None:
+    """Two prefill workers serve the pull (TP): the first fails it, the
+    second's pull ends later and may have written until then; the blocks
+    are held from that later end."""
+    worker = decode_worker(interval=0)
+    worker._hold = HOLD
+    pulls = pulls_from(1, 1, peers=2)
+    later_s = 0.3
+    reported: list[tuple[float, set[str]]] = []
+
+    async def peer_fails() -> None:
+        prefill = ScriptedSideChannel(
+            worker.async_zmq_ctx, [], status=upstream.MooncakeXferResponseStatus.ERROR
+        )
+        serving = asyncio.ensure_future(prefill.serve())
+        await asyncio.wait_for(
+            worker.receive_kv_from_single_worker(
+                f"tcp://127.0.0.1:{prefill.port}", pulls
+            ),
+            DEADLINE_S,
+        )
+        serving.cancel()
+        prefill.sock.close()
+
+    async def scenario() -> None:
+        await peer_fails()
+        await asyncio.sleep(later_s)
+        await peer_fails()
+        ended = time.monotonic()
+        while time.monotonic() - ended < HOLD.span_hold_s + 0.3:
+            finished = await worker.fetch_finished_recving_reqs()
+            reported.append((time.monotonic() - ended, finished))
+            await asyncio.sleep(0.02)
+
+    run(scenario, worker)
+    released = [at for at, finished in reported if "req-0" in finished]
+    print(f"released {released} s after the second peer's end")
+    assert len(released) == 1
+    assert released[0] >= HOLD.span_hold_s
