@@ -59,6 +59,8 @@ class PullWorker:
     """Mixed into the connector worker (before upstream's class)."""
 
     liveness_interval_s: float = 0.0
+    # Off where the fix cannot attach (fixes: failed_pull_block_hold).
+    hold_failed_blocks: bool = True
     _block_holds: block_hold.BlockHolds | None = None
 
     @property
@@ -202,7 +204,7 @@ class PullWorker:
         outstanding = [r for r in req_ids if not _loaded(pull_metas.get(r))]
         if (offer := staging.OFFER.get()) is not None:
             offer.clean = False
-        elif SETTLING.get() is not None:
+        elif SETTLING.get() is not None and self.hold_failed_blocks:
             self._hold_blocks(pull_metas, outstanding)
         super()._handle_failed_recv(pull_metas, outstanding, reason)
 
