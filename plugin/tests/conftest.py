@@ -160,10 +160,12 @@ def pull_worker(interval: float) -> Any:
     import queue
 
     from pd_mooncake.connector import PDMooncakeConnectorWorker
+    from pd_mooncake.metrics import PDMooncakeStats
 
     worker = object.__new__(PDMooncakeConnectorWorker)
     worker.liveness_interval_s = interval
-    worker.xfer_stats = upstream.MooncakeKVConnectorStats()
+    # The connector's own (its counters: block holds).
+    worker.xfer_stats = PDMooncakeStats()
     worker._is_hma_required = False
     worker._invalid_block_ids = queue.Queue()
     worker._failed_recv_reqs = queue.Queue()

@@ -69,7 +69,12 @@ def test_negative_control_a_fix_whose_anchor_is_gone_is_not_attached(
     )
     status, rows = report(capsys, "--no-installed", "--source", str(root))
     assert status == 1
-    for name in ("dead_prefill_probe", "kv_checksum", "kv_staging"):
+    for name in (
+        "dead_prefill_probe",
+        "kv_checksum",
+        "kv_staging",
+        "failed_pull_block_hold",
+    ):
         assert rows[name] == (
             "NOT ATTACHED: MooncakeConnectorWorker._handle_failed_recv is missing"
         )

@@ -18,6 +18,8 @@ from pd_mooncake import fixes, metric_names
 PLUGIN_ONLY = (
     metric_names.REGION_BYTES,
     metric_names.RETRIED_TRANSFERS,
+    metric_names.BLOCK_HOLDS,
+    metric_names.BLOCK_HOLDS_ENDED,
     metric_names.CHECKSUM_MATCH,
     metric_names.CHECKSUM_MISMATCH,
     metric_names.KV_CACHE_INFO,

@@ -49,7 +49,11 @@ DEADLINE_S = 20.0
 # -- vLLM's scheduler, decode role -----------------------------------------------
 
 
-def decode_scheduler(bootstrap_port: int) -> Any:
+def decode_scheduler(
+    bootstrap_port: int, policy: str = "fail", num_blocks: int = 64
+) -> Any:
+    """``policy``: decode's kv_load_failure_policy; ``num_blocks``: its KV
+    cache's (one is vLLM's null block)."""
     if not MODEL_DIRS:
         pytest.skip("tiny model not built (python -m pdstack.tiny_model)")
     from vllm.config import (
@@ -88,15 +92,16 @@ def decode_scheduler(bootstrap_port: int) -> Any:
             kv_connector="PDMooncakeConnector",
             kv_role="kv_consumer",
             kv_connector_extra_config={"mooncake_protocol": "tcp"},
+            kv_load_failure_policy=policy,
         ),
     )
-    config.cache_config.num_gpu_blocks = 64
+    config.cache_config.num_gpu_blocks = num_blocks
     # One group: upstream then reports a failed load as invalid blocks.
     spec = FullAttentionSpec(
         block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32
     )
     kv = KVCacheConfig(
-        num_blocks=64,
+        num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
     )

@@ -136,6 +136,9 @@ class PDMooncakeConnectorWorker(
         self.stall_s = float(extra.get("send_stall_s", stall_guard.DEFAULT_STALL_S))
         self._install_checksum(extra if "kv_checksum" in attached else {})
         self._install_staging(extra if "kv_staging" in attached else {})
+        self.hold_failed_blocks = "failed_pull_block_hold" in attached
+        if self.is_kv_consumer and not self.staging_bytes and self.hold_failed_blocks:
+            self._state_block_hold(vllm_config)
         self._install_geometry()
 
     def _bound_sends(self, env: Any) -> None:

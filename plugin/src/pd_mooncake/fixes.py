@@ -457,6 +457,28 @@ FIXES: tuple[Fix, ...] = (
         "a Mooncake TCP transport without the per-descriptor cost",
     ),
     Fix(
+        # pd_mooncake.block_hold: a failed direct pull's request is reported
+        # finished receiving (what vLLM frees its blocks on) only once no
+        # write to them can land; the failure itself goes at once.
+        "failed_pull_block_hold",
+        (
+            Method(WORKER, "_handle_failed_recv", ("pull_metas", "req_ids", "reason")),
+            Method(WORKER, "fetch_finished_recving_reqs", (), True),
+            # The report reaches the scheduler only through the override.
+            Calls(WORKER, "get_finished", "self.fetch_finished_recving_reqs"),
+            Attr(WORKER, "finished_recving_reqs"),
+            Attr("PullReqMeta", "failed"),
+            Attr("PullReqMeta", "local_block_ids"),
+        ),
+        lambda extra, producer, consumer: consumer,
+        answers="no upstream issue found: upstream reports a failed pull's "
+        "request finished receiving at once, so vLLM frees its blocks while a "
+        "write prefill submitted into them may still land (TCP retransmits, a "
+        "resend's orphan)",
+        retire_when="a vLLM whose connector holds a failed load's blocks until "
+        "the writes into them have ended",
+    ),
+    Fix(
         "received_kv_fault",
         (
             Method(WORKER, "process_pulling_result", ("response", "pull_metas")),

@@ -29,10 +29,22 @@ Why the wait for room is short enough: prefill frees a request's blocks
 so a pull delayed longer finds nothing to pull;
 ``room_wait_s + margin_s <= prefill_abort_s``.
 
-With staging off, prefill writes into decode's KV blocks directly, and a
-failed pull's blocks go back to vLLM's free list at once (vLLM 0.32,
-scheduler ``_update_waiting_for_remote_kv`` and ``_handle_failed_recving``
-under either ``kv_load_failure_policy``): only prefill's half guards them.
+The invariant for a pull sent directly (staging off, or a pull staging
+does not take; ``block_hold`` and ``pull`` keep it):
+
+    A direct pull that fails after decode asked prefill for it keeps its
+    requests' KV blocks allocated ``span_hold_s`` past the pull's end (the
+    same hold, for the same reason, as a span's: prefill writes into those
+    blocks directly); the request fails at once (how vLLM is made to keep
+    them: ``block_hold``). Under ``kv_load_failure_policy: fail`` (vLLM's
+    default) the client gets its error at once and the blocks come back
+    after the hold. Under ``recompute`` the request stays waiting for its
+    KV until the hold has passed and is recomputed only then: recomputing
+    earlier, into its own blocks or blocks freed for it, is what a late
+    write corrupts (a resend's orphan can carry another request's KV,
+    issue 26), and a connector cannot give it other blocks; so recompute
+    costs a failed direct pull the hold (use ``fail``, or staging, where
+    that is too long).
 """
 
 from __future__ import annotations
@@ -101,6 +113,8 @@ class DecodeHold:
 
     @property
     def span_hold_s(self) -> float:
+        """How long past a failed pull's end its span, or a direct pull's
+        KV blocks, stay out of reuse."""
         return self.decode_wait_s + self.tcp_give_up_s
 
     def check(self) -> None:

@@ -15,6 +15,10 @@ FAILED_TRANSFERS = "vllm:mooncake_failed_transfers"
 RETRIED_TRANSFERS = "vllm:mooncake_retried_transfers"
 FAILED_RECVS = "vllm:mooncake_failed_recvs"
 EXPIRED = "vllm:mooncake_expired_requests"
+# Decode: failed direct pulls whose KV blocks were held back for late writes
+# (pd_mooncake.block_hold), and those holds ended.
+BLOCK_HOLDS = "vllm:mooncake_block_holds"
+BLOCK_HOLDS_ENDED = "vllm:mooncake_block_holds_ended"
 # Labels: region (the registered KV tensor), layout (one of the two below).
 REGION_BYTES = "vllm:mooncake_region_bytes"
 # The values of the layout label: how a registered region lays out its KV
@@ -50,4 +54,16 @@ COUNTERS = (
     ),
     (FAILED_RECVS, "num_failed_recvs", "Failed Mooncake KV receives (decode)."),
     (EXPIRED, "num_kv_expired_reqs", "Requests whose KV expired unsent."),
+    (
+        BLOCK_HOLDS,
+        "num_block_holds",
+        "Failed direct pulls whose KV blocks decode held back from reuse while "
+        "a late write could land (late_writes).",
+    ),
+    (
+        BLOCK_HOLDS_ENDED,
+        "num_block_holds_ended",
+        "Block holds ended: their blocks back to reuse (started minus ended: "
+        "held now).",
+    ),
 )

@@ -33,7 +33,12 @@ REGION_BYTES = "region_bytes"
 # Stats key: (phase, seconds) of staged sends (pd_mooncake.staging).
 STAGING_SECONDS = "staging_seconds"
 
-RETRIED = dict((name, key) for name, key, _ in COUNTERS)[names.RETRIED_TRANSFERS]
+_KEYS = {name: key for name, key, _ in COUNTERS}
+RETRIED = _KEYS[names.RETRIED_TRANSFERS]
+BLOCK_HOLDS = _KEYS[names.BLOCK_HOLDS]
+BLOCK_HOLDS_ENDED = _KEYS[names.BLOCK_HOLDS_ENDED]
+# The counters upstream's stats lack (ours alone, on every release).
+OWN_COUNTERS = (RETRIED, BLOCK_HOLDS, BLOCK_HOLDS_ENDED)
 # Where upstream publishes its own Mooncake metrics (vLLM 0.33,
 # ``MooncakePromMetrics``), the plugin publishes none of its copies: each of
 # these stats keys is then upstream's series (right), not ours (left).
@@ -126,12 +131,14 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
     def reset(self) -> None:
         super().reset()
         self.data[REGION_BYTES] = []
-        self.data[RETRIED] = []
+        for key in OWN_COUNTERS:
+            self.data[key] = []
         self.data[STAGING_SECONDS] = []
 
     def is_empty(self) -> bool:
         return super().is_empty() and not any(
-            self.data.get(k) for k in (RETRIED, STAGING_SECONDS, *checksum.STATS_KEYS)
+            self.data.get(k)
+            for k in (*OWN_COUNTERS, STAGING_SECONDS, *checksum.STATS_KEYS)
         )
 
     def record_checksum(self, region: str, layout: str, ok: bool) -> None:
@@ -150,6 +157,15 @@ class PDMooncakeStats(MooncakeKVConnectorStats):
         failure only once it has given up, connector._send_blocks)."""
         with self._lock:
             self.data[RETRIED].append(1)
+
+    def record_block_holds(self, started: int = 0, ended: int = 0) -> None:
+        """Decode held failed direct pulls' blocks back, or gave them back
+        (block_hold)."""
+        with self._lock:
+            if started:
+                self.data[BLOCK_HOLDS].append(started)
+            if ended:
+                self.data[BLOCK_HOLDS_ENDED].append(ended)
 
     def record_transfer(self, duration_s: float, total_bytes: int, num_descs: int):
         src = getattr(_sending, "current", None)

@@ -1,6 +1,7 @@
 """Decode's pull (worker side): upstream's, with a staging span offered
 (pd_mooncake.staging), failed early when its prefill is gone
-(pd_mooncake.reliability), and requests counted once."""
+(pd_mooncake.reliability), requests counted once, and a failed direct
+pull's blocks kept from reuse while a write may land (block_hold)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from pd_mooncake import faults, geometry, reliability, staging
+from pd_mooncake import block_hold, faults, geometry, reliability, staging
 
 logger = logging.getLogger("vllm.pd_mooncake")
+
+# Requests whose blocks a hold may keep at once when vLLM's cache config does
+# not say how many blocks it has (block_hold.BlockHolds: a larger table is
+# logged, never released early).
+HELD_LIMIT = 1 << 16
 
 # Set on an upstream PullReqMeta once its KV has fully arrived: the count it
 # keeps (pull_tasks_count) is also 0 before a pull starts.
@@ -53,6 +59,43 @@ class PullWorker:
     """Mixed into the connector worker (before upstream's class)."""
 
     liveness_interval_s: float = 0.0
+    # Off where the fix cannot attach (fixes: failed_pull_block_hold).
+    hold_failed_blocks: bool = True
+    _block_holds: block_hold.BlockHolds | None = None
+
+    @property
+    def block_holds(self) -> block_hold.BlockHolds:
+        if self._block_holds is None:
+            config = getattr(self, "vllm_config", None)
+            blocks = getattr(getattr(config, "cache_config", None), "num_gpu_blocks", 0)
+            self._block_holds = block_hold.BlockHolds(blocks or HELD_LIMIT)
+        return self._block_holds
+
+    def _state_block_hold(self, vllm_config: Any) -> None:
+        """Start-up, decode without staging: every pull is direct, and what a
+        failed one costs (late_writes)."""
+        policy = getattr(
+            vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail"
+        )
+        hold_s = self.staging_hold.span_hold_s
+        logger.info(
+            "PD Mooncake: KV staging off: a failed pull keeps its KV blocks "
+            "from reuse %.0fs (a late write may land; late_writes)%s",
+            hold_s,
+            f"; under kv_load_failure_policy {policy} its request waits that "
+            "long before it is recomputed"
+            if policy == "recompute"
+            else "",
+        )
+
+    async def fetch_finished_recving_reqs(self) -> set[str]:
+        """Upstream's report (get_finished runs it on the receiver loop, as
+        every pull), less the failed direct pulls still held (block_hold)."""
+        finished = await super().fetch_finished_recving_reqs()
+        free, released = self.block_holds.filter(finished)
+        if released:
+            self.xfer_stats.record_block_holds(ended=len(released))
+        return free
 
     async def receive_kv_from_single_worker(
         self, worker_addr: str, pull_metas: dict
@@ -88,6 +131,12 @@ class PullWorker:
             SETTLING.reset(settling)
             loaded = all(_loaded(m) for m in pull_metas.values())
             self._staging_close(offer, loaded)
+            if offer is None:
+                # The hold runs from the pull's end (late_writes): a request
+                # failed while this peer's pull still ran, or failed by
+                # another peer of a split pull, is held from this end too.
+                held = [r for r in pull_metas if r in self.block_holds]
+                self.block_holds.hold(held, self.staging_hold.span_hold_s)
 
     async def _pull_chunked(self, worker_addr: str, pull_metas: dict) -> None:
         """One request longer than one span, as sub-pulls of upstream's
@@ -211,7 +260,35 @@ class PullWorker:
         outstanding = [r for r in req_ids if not _loaded(pull_metas.get(r))]
         if (offer := staging.OFFER.get()) is not None:
             offer.clean = False
+        elif SETTLING.get() is not None and self.hold_failed_blocks:
+            self._hold_blocks(pull_metas, outstanding)
         super()._handle_failed_recv(pull_metas, outstanding, reason)
+
+    def _hold_blocks(self, pull_metas: dict, req_ids: list) -> None:
+        """A direct pull (no staging span) failed after decode asked prefill
+        for it: prefill may have submitted writes into these requests' blocks,
+        which land up to the hold after the pull's end (late_writes). vLLM
+        keeps the blocks allocated until the worker reports the request
+        finished receiving (block_hold); that report waits for the hold."""
+        held = [
+            r
+            for r in req_ids
+            if (meta := pull_metas.get(r)) is not None
+            and not meta.failed
+            and any(meta.local_block_ids)
+        ]
+        if not held:
+            return
+        hold_s = self.staging_hold.span_hold_s
+        self.block_holds.hold(held, hold_s)
+        self.xfer_stats.record_block_holds(started=len(held))
+        logger.warning(
+            "PD Mooncake: KV blocks of failed direct pull %s held back %.0fs "
+            "(a write prefill submitted may still land; %d requests held)",
+            held,
+            hold_s,
+            len(self.block_holds),
+        )
 
     def process_pulling_result(self, response: Any, pull_metas: dict) -> None:
         _settling_from(pull_metas)

@@ -63,9 +63,11 @@ class StagingWorker:
 
     def _install_staging(self, extra: Any) -> None:
         self.staging_bytes = int(extra.get(staging.KEY, 0)) << 20
+        # Also without staging: a failed direct pull's blocks are held as
+        # long as a span (pull.PullWorker._hold_blocks).
+        self._hold = late_writes.DecodeHold.from_env(os.environ)
         if self.staging_bytes:
-            # Start-up: a hold too short or a wait too long is refused here.
-            self._hold = late_writes.DecodeHold.from_env(os.environ)
+            # Start-up: a wait for room too long is refused here.
             self._hold.check()
         encoder = wire.install(self)
         encoder.pull_fields.append(_offer_fields)
