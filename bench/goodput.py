@@ -306,6 +306,7 @@ def plot(sweep: Sweep, path: Path) -> bool:
             xs,
             [p.value("request_throughput") or 0 for p in points],
             ":",
+            marker=".",  # a target that stopped at its first rate: one point
             color=color,
             alpha=0.6,
             label=f"{names[target]} completed",
