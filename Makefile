@@ -402,7 +402,8 @@ test-compose: install engine ## The real CPU images and compose stack: build, up
 # URLs it starts (and stops) its own CPU twin and colocated server; give
 # BENCH_ROUTER_URL, BENCH_PREFILL_URL, BENCH_DECODE_URL to measure a running stack
 # instead (e.g. compose on a GPU host; the colocated reference is then prefill
-# itself unless BENCH_COLOCATED_URL is given). Goodput at BENCH_SLO (ttft=MS,tpot=MS;
+# itself unless BENCH_COLOCATED_URL is given). Several prefills or decodes behind
+# the router: one URL per server, comma-separated (the report names the P:D ratio). Goodput at BENCH_SLO (ttft=MS,tpot=MS;
 # default: configs/targets/<target>.yaml), BENCH_QUICK=1 (about 3 minutes),
 # BENCH_API_KEY_FILE (a file holding the stack's API key): docs/bench.md.
 # Ports of the twin it starts: make bench ROUTER_PORT=9000 PREFILL_PORT=9100 ...

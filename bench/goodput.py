@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import evidence, slo
+from bench import evidence, slo, topology
 from bench.levels import fmt, read_json, table
 from bench.rate_sweep import PROBE, TARGETS, rate_name
 
@@ -106,6 +106,20 @@ class Sweep:
         )
 
 
+def ratio(plan: Mapping[str, Any]) -> str | None:
+    """The P:D ratio the sweep ran on (e.g. 2P:2D), from its plan; None for
+    a plan written before the bench counted the servers."""
+    if "prefill_urls" not in plan:
+        return None
+    return topology.label(len(plan["prefill_urls"]), len(plan["decode_urls"]))
+
+
+def _pd(plan: Mapping[str, Any]) -> str:
+    """ "P/D" with its ratio where known: a report of 2P:2D never reads as
+    one of 1P:1D."""
+    return f"P/D {r}" if (r := ratio(plan)) else "P/D"
+
+
 def _bounds(plan: Mapping[str, Any]) -> str:
     return (
         f"TTFT <= {plan.get('ttft_ms', 0):g} ms, TPOT <= {plan.get('tpot_ms', 0):g} ms"
@@ -130,7 +144,7 @@ def answers(sweep: Sweep) -> list[str]:
     held = " and ".join(ceiling)
     held = held[:1].upper() + held[1:]
     out = [
-        f"P/D sustains {_rate(pd)} {within} against {_rate(colo)} colocated "
+        f"{_pd(plan)} sustains {_rate(pd)} {within} against {_rate(colo)} colocated "
         f"(ratio {ratio}; rates tried: {tested} req/s)."
         + (f" {held} held the highest rate tried, so the limit lies "
            "higher (BENCH_GOODPUT_STEPS=N tries more)." if ceiling else "")
@@ -207,7 +221,17 @@ def level_table(sweep: Sweep) -> list[str]:
 
 def markdown(sweep: Sweep, plotted: bool) -> list[str]:
     plan = sweep.meta
-    out = ["## Goodput against request rate", ""]
+    out = [f"## Goodput against request rate: {_pd(plan)} and colocated", ""]
+    if r := ratio(plan):
+        decodes = ", ".join(plan["decode_urls"])
+        out += [
+            f"P/D: {r} ({len(plan['prefill_urls'])} prefill, "
+            f"{len(plan['decode_urls'])} decode behind the router; counted from "
+            f"{plan.get('servers_from') or '?'}). KV evidence per level is summed "
+            f"over every decode ({decodes}) and every prefill "
+            f"({', '.join(plan['prefill_urls'])}).",
+            "",
+        ]
     out.append(
         f"`vllm bench serve --goodput ttft:{plan.get('ttft_ms', 0):g} "
         f"tpot:{plan.get('tpot_ms', 0):g}` (SLO from {plan.get('slo_from', '?')}), "
@@ -239,6 +263,11 @@ def summary(sweep: Sweep) -> dict[str, Any]:
 
     return {
         "answers": answers(sweep),
+        "pd_ratio": ratio(sweep.meta),
+        "servers": {
+            k: sweep.meta.get(k)
+            for k in ("prefill_urls", "decode_urls", "servers_from")
+        },
         "slo": {k: sweep.meta.get(k) for k in ("ttft_ms", "tpot_ms", "slo_from")},
         "colocated_is": sweep.meta.get("colocated_is"),
         "sustained_req_per_s": {t: sweep.sustained(t) for t in TARGETS},
@@ -261,6 +290,7 @@ def plot(sweep: Sweep, path: Path) -> bool:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     styles = {"pd": ("-o", "tab:blue"), "colocated": ("--s", "tab:orange")}
+    names = {**TITLE, "pd": _pd(sweep.meta)}
     for target in TARGETS:
         points = sorted(sweep.of(target), key=lambda p: p.rate or 0)
         style, color = styles[target]
@@ -270,15 +300,16 @@ def plot(sweep: Sweep, path: Path) -> bool:
             [p.value("request_goodput") or 0 for p in points],
             style,
             color=color,
-            label=f"{TITLE[target]} goodput",
+            label=f"{names[target]} goodput",
         )
         axes[0].plot(
             xs,
             [p.value("request_throughput") or 0 for p in points],
             ":",
+            marker=".",  # a target that stopped at its first rate: one point
             color=color,
             alpha=0.6,
-            label=f"{TITLE[target]} completed",
+            label=f"{names[target]} completed",
         )
         for ax, key in ((axes[1], "ttft"), (axes[2], "tpot")):
             for q, alpha in zip(PCTS, (1.0, 0.6, 0.35), strict=True):
@@ -288,7 +319,7 @@ def plot(sweep: Sweep, path: Path) -> bool:
                     style,
                     color=color,
                     alpha=alpha,
-                    label=f"{TITLE[target]} p{q}",
+                    label=f"{names[target]} p{q}",
                 )
         for p in points:
             if p.verdict and p.verdict.failed:
@@ -296,6 +327,10 @@ def plot(sweep: Sweep, path: Path) -> bool:
                     [p.rate], [p.value("request_goodput") or 0], "rx", markersize=14
                 )
     axes[0].set_title("goodput (req/s within SLO)")
+    fig.suptitle(
+        f"{_pd(sweep.meta)} against colocated: goodput and latency "
+        f"percentiles ({sweep.meta.get('input_len')}-token prompts)"
+    )
     axes[0].set_ylabel("req/s")
     for ax, key, bound in (
         (axes[1], "TTFT", sweep.meta.get("ttft_ms")),
@@ -308,7 +343,7 @@ def plot(sweep: Sweep, path: Path) -> bool:
         ax.set_xlabel("request rate (req/s, Poisson)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.94))  # room for the title
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True

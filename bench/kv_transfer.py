@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench import kv_phases
+from bench import kv_phases, topology
 from pdstack import config, kv_layout, tiny_model
 from pdstack import metrics as m
 
@@ -50,7 +50,9 @@ def layout_from_json(data: Mapping[str, Any] | None) -> kv_layout.KVLayout | Non
 
 
 def scrape(url: str) -> m.Snapshot:
-    return m.scrape(url)
+    """``url``: one prefill, or several behind one router, comma-separated
+    (their counters summed: a level's requests spread over them)."""
+    return m.scrape_sum(topology.split(url))
 
 
 def delta_json(delta: m.Snapshot) -> dict[str, float]:
@@ -66,12 +68,12 @@ def settle_delta(
     requests may share transfers, so the number to wait for is not known.
     Nothing to wait for when no request completed."""
     if completed == 0:
-        return delta_json(m.scrape(url) - before)
+        return delta_json(scrape(url) - before)
 
     def ended(v: dict[str, float]) -> float:
         return v["transfers"] + v["failed_transfers"]
 
-    return m.settle_counts(url, before, delta_json, ended, deadline_s)
+    return m.settle_counts(topology.split(url), before, delta_json, ended, deadline_s)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,12 @@ def inspect(urls: dict[str, str]) -> StackInfo:
     return StackInfo(str(first["id"]), max_len, kv)
 
 
+def inspect_server(role: str, url: str) -> None:
+    """One more server of ``role`` (several behind the router) answers
+    /v1/models, with the key if one is given."""
+    _get(role, url, "/v1/models")
+
+
 def check_lengths(info: StackInfo, input_len: int, output_len: int) -> None:
     if info.max_model_len and input_len + output_len > info.max_model_len:
         raise BenchInputError(

@@ -18,7 +18,9 @@ in the plan's directory.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import operator
 import os
 import shlex
 import sys
@@ -30,7 +32,7 @@ from typing import Any
 
 import requests
 
-from bench import evidence, slo
+from bench import evidence, slo, topology
 from bench.vllm_bench import Level, Plan, _parser, _run_level, bench_serve_args
 from pdstack import metrics as m
 
@@ -40,6 +42,8 @@ TARGETS = ("pd", "colocated")
 SETTLE_S = 30.0
 # Exit status of a sweep whose SLO no single request meets.
 SLO_UNREACHABLE = 3
+# Around a P/D level: every decode's and every prefill's /metrics, by URL.
+Scrapes = tuple[dict[str, m.Snapshot], dict[str, m.Snapshot]]
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,10 @@ class RatePlan:
     tpot_ms: float
     # "pd": the router; "colocated": the reference (prefill itself by default).
     urls: Mapping[str, str]
-    prefill_url: str
-    decode_url: str
+    # Every prefill and decode behind the router, as this host reaches them:
+    # each one's /metrics is read around a P/D level, the evidence summed.
+    prefill_urls: Sequence[str]
+    decode_urls: Sequence[str]
     steps: int
     level_timeout_s: float
     budget_s: float
@@ -64,10 +70,17 @@ class RatePlan:
     # For the report: where the SLO came from, what the colocated reference is.
     slo_from: str = ""
     colocated_is: str = ""
+    # How the number of prefills and decodes was learnt (bench.topology).
+    servers_from: str = ""
 
     @property
     def slo(self) -> slo.Slo:
         return slo.Slo(self.ttft_ms, self.tpot_ms)
+
+    @property
+    def ratio(self) -> str:
+        """The P:D ratio the report is labelled with, e.g. 2P:2D."""
+        return topology.label(len(self.prefill_urls), len(self.decode_urls))
 
     def level(
         self,
@@ -179,19 +192,22 @@ class Sweep:
         )
         return data
 
-    def _scrape(self) -> tuple[m.Snapshot, m.Snapshot] | str:
-        """Decode's and prefill's /metrics, or why they cannot be read (the
-        level still runs; its evidence is then not measurable)."""
+    def _scrape(self) -> Scrapes | str:
+        """Every decode's and prefill's /metrics, or why one cannot be read
+        (the level still runs; its evidence is then not measurable)."""
         try:
-            return m.scrape(self.plan.decode_url), m.scrape(self.plan.prefill_url)
+            return (
+                {url: m.scrape(url) for url in self.plan.decode_urls},
+                {url: m.scrape(url) for url in self.plan.prefill_urls},
+            )
         except requests.RequestException as exc:
             return f"/metrics unreadable: {type(exc).__name__}: {exc}"[:200]
 
-    def _evidence(
-        self, before: tuple[m.Snapshot, m.Snapshot] | str, tokens: int, path: Path
-    ) -> None:
-        """Decode's counters once its loaded tokens reach the prompts' (or a
-        receive failed) and stop moving; prefill's at that moment."""
+    def _evidence(self, before: Scrapes | str, tokens: int, path: Path) -> None:
+        """The decodes' counters once their loaded tokens together reach the
+        prompts' (or a receive failed) and stop moving; the prefills' at that
+        moment. Requests spread over the servers: only the sum over every
+        one of them is the level's."""
         found: dict[str, Any] = {"plugin": False}
         try:
             if isinstance(before, str):
@@ -199,10 +215,15 @@ class Sweep:
             decode0, prefill0 = before
             if tokens:
                 done = lambda v: v["in"] / tokens + v["failed"]  # noqa: E731
-                m.settle_counts(self.plan.decode_url, decode0, _loaded, done, SETTLE_S)
-            after = m.scrape(self.plan.decode_url)
-            prefill = m.scrape(self.plan.prefill_url) - prefill0
-            found = evidence.capture(after - decode0, prefill, after)
+                summed = functools.reduce(operator.add, decode0.values())
+                urls = list(decode0)
+                m.settle_counts(urls, summed, _loaded, done, SETTLE_S)
+            decodes = {}
+            for url, start in decode0.items():
+                after = m.scrape(url)
+                decodes[url] = (after - start, after)
+            prefills = {url: m.scrape(url) - start for url, start in prefill0.items()}
+            found = evidence.capture(decodes, prefills)
         except requests.RequestException as exc:
             found["error"] = str(exc)[:200]
         path.write_text(json.dumps(found, indent=1))

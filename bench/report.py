@@ -220,11 +220,19 @@ def build(run_dir: Path) -> dict[str, Any]:
     swept = goodput.build(run_dir)
     if swept is not None:
         data = {"answers": swept[2]["answers"], "goodput": swept[2], **data}
+    # The P:D ratio measured (bench.topology), first: 2P:2D never reads as 1P:1D.
+    data = {"pd_ratio": pd_ratio(run.meta), **data}
     (run_dir / "summary.json").write_text(json.dumps(data, indent=1, default=str))
     plotted = plot(run_dir / "report.png", run.pairs, run.comparisons)
     opening, section = swept[:2] if swept else ([], [])
     (run_dir / "report.md").write_text(markdown(run, plotted, opening, section))
     return data
+
+
+def pd_ratio(meta: Mapping[str, Any]) -> str | None:
+    """The run's P:D ratio (e.g. 2P:2D) as bench.run recorded it; None for
+    a run recorded before the bench counted the servers."""
+    return (meta.get("servers") or {}).get("ratio")
 
 
 def section(title: str, body: Sequence[str]) -> list[str]:
@@ -237,7 +245,9 @@ def markdown(
     """The report; ``answers`` (bench.goodput's) open it, the goodput sweep
     (``swept``) comes before the targets."""
     meta, checks, pairs, status = run.meta, run.checks, run.pairs, run.status
-    out = [f"# P/D vs colocated: bench run {meta.get('started', '')}", "", *answers]
+    ratio = pd_ratio(meta)
+    pd = f"P/D {ratio}" if ratio else "P/D"
+    out = [f"# {pd} vs colocated: bench run {meta.get('started', '')}", "", *answers]
     if meta.get("stack"):
         out += [f"Stack: {meta['stack']}. Profile `{meta.get('profile', 'tiny')}`.", ""]
     if meta.get("machine"):

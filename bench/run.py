@@ -41,6 +41,7 @@ from bench import (
     router_overhead,
     slo,
     stack,
+    topology,
 )
 from bench.settings import Settings
 from bench.vllm_bench import Level, Plan
@@ -182,6 +183,8 @@ def kv_path_step(
 
 
 def sweep_plan(s: Settings, urls: Urls, raw: Path, tokenizer: str) -> Plan:
+    # Every prefill's transfer counters, summed (bench.kv_transfer).
+    prefills = ",".join(s.prefill_urls) or urls.prefill
     runs = []
     for index, (length, conc) in enumerate(s.levels()):
         order = ("pd", "colocated") if index % 2 == 0 else ("colocated", "pd")
@@ -192,7 +195,7 @@ def sweep_plan(s: Settings, urls: Urls, raw: Path, tokenizer: str) -> Plan:
             runs.append(Level(
                 target, urls.router if pd else urls.colocated, length, conc,
                 s.num_prompts(conc), s.seed + index, str(raw / f"{name}.json"),
-                urls.prefill if pd else None,
+                prefills if pd else None,
                 str(raw / f"{name}.kv.json") if pd else None,
             ))  # fmt: skip
     timeout, budget = s.level_timeout_s, s.sweep_budget_s
@@ -384,8 +387,10 @@ def run(s: Settings) -> Path:
     progress = Clock()
     info = None
     slo.chosen(s.slo, "cpu")  # a malformed BENCH_SLO ends here
+    servers = None
     if s.urls is not None:  # bad input ends here, before a run directory
         info = inspect(s, s.urls)
+        servers = servers_of(s, s.urls)
         goodput_lengths(s, info)
     out, meta = _start(s, progress)
     if s.urls is None or s.micro:
@@ -434,16 +439,20 @@ def run(s: Settings) -> Path:
                     "CPU twin started by the bench (prefill, decode, vllm-router; "
                     "a colocated server beside it)"
                 )
-                _measure(s, urls, out, progress, inspect(s, urls), meta)
+                own_servers = servers_of(s, urls)
+                _measure(s, urls, out, progress, inspect(s, urls), meta, own_servers)
             own.stop(["colocated"])
             if s.kv_checksum:
                 checksum_step(s, own, urls, out, progress)
             if s.kv_path:
                 kv_path_step(s, own, out, progress)
         else:
-            assert s.urls is not None and info is not None
-            meta["stack"] = f"given by URLs: {s.urls}"
-            _measure(s, s.urls, out, progress, info, meta)
+            assert s.urls is not None and info is not None and servers is not None
+            meta["stack"] = (
+                f"given by URLs: router {s.urls.router}, prefills "
+                f"{', '.join(servers.prefills)}, decodes {', '.join(servers.decodes)}"
+            )
+            _measure(s, s.urls, out, progress, info, meta, servers)
     finally:
         if own is not None:
             own.stop()
@@ -465,9 +474,16 @@ def _measure(
     progress: Clock,
     info: preflight.StackInfo,
     meta: dict[str, Any],
+    servers: topology.Servers,
 ) -> None:
+    meta["servers"] = {
+        "ratio": servers.label,
+        "prefills": list(servers.prefills),
+        "decodes": list(servers.decodes),
+        "from": servers.source,
+    }
     _write_layout(s, urls, out)
-    goodput_step(s, urls, info, out, progress)
+    goodput_step(s, urls, info, out, progress, servers)
     if s.quick:
         meta["notes"].append(
             "BENCH_QUICK=1: the goodput sweep only (no router "
@@ -511,7 +527,21 @@ def inspect(s: Settings, urls: Urls) -> preflight.StackInfo:
     named = {"router": urls.router, "prefill": urls.prefill, "decode": urls.decode}
     if urls.colocated != urls.prefill:
         named["colocated"] = urls.colocated
-    return preflight.inspect(named)
+    info = preflight.inspect(named)
+    # Every further prefill and decode answers too (bad input ends here).
+    for role, given in (("prefill", s.prefill_urls), ("decode", s.decode_urls)):
+        for url in given[1:]:
+            preflight.inspect_server(role, url)
+    return info
+
+
+def servers_of(s: Settings, urls: Urls) -> topology.Servers:
+    """The prefills and decodes behind the router: against URLs those given,
+    checked against the router's own list; on the bench's own twin, its one
+    prefill and one decode."""
+    if s.urls is None:
+        return topology.Servers((urls.prefill,), (urls.decode,), topology.FROM_OWN)
+    return topology.check(urls.router, s.prefill_urls, s.decode_urls)
 
 
 def goodput_lengths(s: Settings, info: preflight.StackInfo) -> tuple[int, int]:
@@ -526,7 +556,11 @@ def goodput_lengths(s: Settings, info: preflight.StackInfo) -> tuple[int, int]:
 
 
 def goodput_plan(
-    s: Settings, urls: Urls, info: preflight.StackInfo, where: Path
+    s: Settings,
+    urls: Urls,
+    info: preflight.StackInfo,
+    where: Path,
+    servers: topology.Servers,
 ) -> rate_sweep.RatePlan:
     """The sweep sized by the stack: prompts a quarter of max-model-len (at
     most 1024 tokens; 128 quick), requests per rate half of what prefill's
@@ -544,8 +578,9 @@ def goodput_plan(
             f"prefill itself ({urls.prefill}), each prompt served whole without "
             "transfer parameters (as the e2e suite's reference): the same model, "
             "flags and weights, its KV connector loaded but idle; one server's "
-            "resources against P/D's two, so not what a colocated deployment "
-            "of both servers' hardware would reach"
+            f"resources against P/D's {len(servers.prefills) + len(servers.decodes)} "
+            f"({servers.label}), so not what a colocated deployment of all "
+            "of P/D's hardware would reach"
         )
     return rate_sweep.RatePlan(
         model=info.model,
@@ -556,8 +591,8 @@ def goodput_plan(
         ttft_ms=chosen.ttft_ms,
         tpot_ms=chosen.tpot_ms,
         urls={"pd": urls.router, "colocated": urls.colocated},
-        prefill_url=urls.prefill,
-        decode_url=urls.decode,
+        prefill_urls=list(servers.prefills),
+        decode_urls=list(servers.decodes),
         steps=s.goodput_steps or (3 if quick else 6),
         level_timeout_s=s.level_timeout_s,
         budget_s=150.0 if quick else s.sweep_budget_s,
@@ -566,21 +601,28 @@ def goodput_plan(
         trust_remote_code=bool(flags.get("trust-remote-code")),
         slo_from=source,
         colocated_is=colocated,
+        servers_from=servers.source,
     )
 
 
 def goodput_step(
-    s: Settings, urls: Urls, info: preflight.StackInfo, out: Path, progress: Clock
+    s: Settings,
+    urls: Urls,
+    info: preflight.StackInfo,
+    out: Path,
+    progress: Clock,
+    servers: topology.Servers,
 ) -> None:
     """bench.rate_sweep in its own process group, with the API key in the
     environment (``vllm bench serve`` sends OPENAI_API_KEY as a bearer
     token); an SLO no single request meets ends the run (BenchInputError)."""
     where = out / goodput.DIR
     where.mkdir(parents=True, exist_ok=True)
-    plan = goodput_plan(s, urls, info, where)
+    plan = goodput_plan(s, urls, info, where, servers)
     rate_sweep.write_plan(plan, where / "plan.json")
     progress(
-        f"goodput sweep: {plan.input_len}-token prompts, {plan.output_len} output "
+        f"goodput sweep on P/D {plan.ratio} ({plan.servers_from}): "
+        f"{plan.input_len}-token prompts, {plan.output_len} output "
         f"tokens, {plan.num_prompts} per rate, up to {plan.steps} rates, SLO "
         f"{plan.slo.describe()} ({plan.slo_from}); budget {plan.budget_s:.0f}s"
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from bench import topology
 from pdstack import config
 from pdstack.supervisor import Urls
 
@@ -110,6 +111,11 @@ class Settings:
     micro: bool = False
     # Whether the colocated reference is prefill itself (no URL given).
     colocated_is_prefill: bool = False
+    # Against URLs: every prefill and decode behind the router (one URL each,
+    # comma-separated in BENCH_PREFILL_URL / BENCH_DECODE_URL; ``urls`` holds
+    # the first of each, bench.topology checks them against the router).
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
 
     def levels(self) -> list[tuple[int, int]]:
         """(input_len, concurrency) pairs within the in-flight token budget,
@@ -138,6 +144,8 @@ class Settings:
 
 SWITCH = (0, 1)
 URL_NAMES = ("router", "prefill", "decode", "colocated")
+# The roles several servers of may stand behind the router (bench.topology).
+LISTED = ("prefill", "decode")
 # (flag, variable giving its default, default, type, help): a type of None is
 # a string (from_args parses it), SWITCH an int of 0 or 1; a number's default
 # is converted when the parser is built.
@@ -154,7 +162,8 @@ OPTIONS: tuple[tuple[str, str, str, Any, str | None], ...] = (
      "seconds one `vllm bench serve` level may take"),
     ("--sweep-budget", "BENCH_SWEEP_BUDGET_S", "900", float,
      "seconds for the whole vllm bench serve sweep; later levels skipped"),
-    *((f"--{name}-url", f"BENCH_{name.upper()}_URL", "", None, None)
+    *((f"--{name}-url", f"BENCH_{name.upper()}_URL", "", None,
+       "one URL per server behind the router, comma-separated" * (name in LISTED))
       for name in URL_NAMES),
     ("--colocated-port", "BENCH_COLOCATED_PORT", "8300", int, None),
     ("--colocated-threads", "BENCH_COLOCATED_THREADS", "2", int,
@@ -223,6 +232,11 @@ def add_arguments(
 
 def from_args(args: argparse.Namespace) -> Settings:
     given = {name: getattr(args, f"{name}_url").rstrip("/") for name in URL_NAMES}
+    listed = {name: topology.split(given[name]) for name in LISTED}
+    for name in ("router", "colocated"):
+        if len(topology.split(given[name])) > 1:
+            raise SettingsError(f"BENCH_{name.upper()}_URL takes one URL")
+    given |= {name: next(iter(servers), "") for name, servers in listed.items()}
     urls = None
     if any(given.values()):
         needed = ("router", "prefill", "decode")
@@ -257,6 +271,8 @@ def from_args(args: argparse.Namespace) -> Settings:
         quick=bool(args.quick),
         micro=bool(args.micro),
         colocated_is_prefill=urls is not None and not args.colocated_url,
+        prefill_urls=listed["prefill"] if urls else (),
+        decode_urls=listed["decode"] if urls else (),
     )
     # The other fields: their options as parsed.
     kept = (f.name for f in fields(Settings) if f.name not in values)

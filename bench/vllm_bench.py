@@ -39,7 +39,8 @@ class Level:
     num_prompts: int
     seed: int
     result_file: str
-    # P/D only: the prefill server, whose /metrics counts the transfers.
+    # P/D only: the prefill server, whose /metrics counts the transfers
+    # (several behind one router: comma-separated, bench.kv_transfer sums).
     prefill_url: str | None = None
     kv_file: str | None = None
     # Also scraped around the level (with kv_file): the decode server, for

@@ -137,7 +137,7 @@ def goodput_sweep(stack: Stack, out: Path, pd_url: str) -> dict[str, Any]:
         model="pd-model", tokenizer=tokenizer_of(PROFILE), input_len=INPUT_LEN,
         output_len=4, num_prompts=PROMPTS, ttft_ms=600_000, tpot_ms=60_000,
         urls={"pd": pd_url, "colocated": stack.reference},
-        prefill_url=stack.prefill, decode_url=stack.decode, steps=1,
+        prefill_urls=[stack.prefill], decode_urls=[stack.decode], steps=1,
         level_timeout_s=DEADLINE_S / 4, budget_s=DEADLINE_S, out=str(where),
         slo_from="the smoke test", colocated_is="prefill itself",
     )  # fmt: skip
@@ -163,6 +163,10 @@ def test_goodput_sweep_verifies_every_p_d_level(stack: Stack, tmp_path: Path) ->
         )
     assert "KV crossed and was verified" in swept["answers"][2]
     assert (tmp_path / goodput.DIR / goodput.PLOT).exists()
+    # The suite's twin: one prefill, one decode, and the report says so.
+    assert swept["pd_ratio"] == "1P:1D", swept["pd_ratio"]
+    assert swept["answers"][0].startswith("P/D 1P:1D sustains"), swept["answers"]
+    assert "P/D 1P:1D and colocated" in (tmp_path / "report.md").read_text()
 
 
 def test_goodput_sweep_fails_a_decode_that_recomputes(

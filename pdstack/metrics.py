@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import requests
@@ -74,6 +74,14 @@ class Snapshot:
             {k: self.samples.get(k, 0.0) - before.samples.get(k, 0.0) for k in keys}
         )
 
+    def __add__(self, other: Snapshot) -> Snapshot:
+        """Two servers' samples summed: counters (and their deltas) of a
+        role's servers add up; info gauges do not (read those per server)."""
+        keys = set(self.samples) | set(other.samples)
+        return Snapshot(
+            {k: self.samples.get(k, 0.0) + other.samples.get(k, 0.0) for k in keys}
+        )
+
 
 def scrape(base_url: str, timeout: float = 10.0) -> Snapshot:
     response = requests.get(f"{base_url}/metrics", timeout=timeout)
@@ -85,29 +93,39 @@ def scrape(base_url: str, timeout: float = 10.0) -> Snapshot:
     return Snapshot(samples)
 
 
+def scrape_sum(base_urls: Sequence[str], timeout: float = 10.0) -> Snapshot:
+    """Every server's scrape summed (a role's servers behind one router)."""
+    total = Snapshot({})
+    for url in base_urls:
+        total = total + scrape(url, timeout)
+    return total
+
+
 def settle(
-    base_url: str,
+    base_url: str | Sequence[str],
     before: Snapshot,
     done: Callable[[Snapshot], bool],
     deadline_s: float = 20.0,
     interval_s: float = 0.25,
 ) -> Snapshot:
     """Scrape until ``done(delta)``; stats reach /metrics a moment after a reply.
+    ``base_url`` may be several servers' (their scrapes summed).
 
     Returns the last delta either way: the caller's assertions say what is
     missing, with the numbers.
     """
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
     return wait.poll_last(
-        lambda: scrape(base_url) - before,
+        lambda: scrape_sum(urls) - before,
         done,
         deadline_s,
-        f"{base_url}/metrics",
+        ", ".join(f"{url}/metrics" for url in urls),
         interval_s,
     )[1]
 
 
 def settle_counts(
-    base_url: str,
+    base_url: str | Sequence[str],
     before: Snapshot,
     read: Callable[[Snapshot], dict[str, float]],
     ended: Callable[[dict[str, float]], float],

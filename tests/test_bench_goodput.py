@@ -194,7 +194,7 @@ def test_goodput_levels_pass_rate_slo_and_remote_code_to_vllm_bench_serve(
     plan = rate_sweep.RatePlan(
         model="m", tokenizer="/tok", input_len=128, output_len=16, num_prompts=8,
         ttft_ms=2000, tpot_ms=50, urls={"pd": "http://r", "colocated": "http://p"},
-        prefill_url="http://p", decode_url="http://d", steps=3,
+        prefill_urls=["http://p"], decode_urls=["http://d"], steps=3,
         level_timeout_s=60, budget_s=100, out=str(tmp_path), trust_remote_code=True,
     )  # fmt: skip
     level = plan.level("pd", "r0.5", 0.5, 8, 1, 60)
