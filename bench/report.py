@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import goodput, kv_checksum, kv_path, kv_transfer
+from bench import goodput, kv_checksum, kv_path, kv_transfer, transfer_cost
 from bench import hosts_link as hl
 from bench import transfer_engine as te
 from bench.levels import (
@@ -136,11 +136,13 @@ class Run:
     checksum: kv_checksum.Result | None
     hosts_link: list[hl.Rate]
     kv_path: kv_path.Result | None
+    cost: transfer_cost.Result | None = None
 
     @functools.cached_property
     def checks(self) -> list[Target]:
         return judge(self.pairs, self.overhead, self.comparisons, self.memory,
-                     self.checksum, self.hosts_link, self.kv_path)  # fmt: skip
+                     self.checksum, self.hosts_link, self.kv_path,
+                     self.cost)  # fmt: skip
 
     @classmethod
     def read(cls, run_dir: Path) -> Run:
@@ -175,6 +177,7 @@ class Run:
             checksum=kv_checksum.read(run_dir),
             hosts_link=hl.from_json(read_json(run_dir / "hosts_link.json") or []),
             kv_path=kv_path.read(run_dir),
+            cost=transfer_cost.read(run_dir),
             meta=read_json(run_dir / "meta.json") or {},
             startup=read_json(run_dir / "startup.json") or {},
             model=kv_transfer.layout_from_json(read_json(run_dir / "kv_layout.json")),
@@ -210,6 +213,7 @@ def summary(run: Run) -> dict[str, Any]:
         "hosts_link": [r.summary() for r in run.hosts_link],
         "kv_checksum": kv_checksum.summary(run.checksum),
         "kv_path": kv_path.summary(run.kv_path, run.comparisons),
+        "transfer_cost": transfer_cost.summary(run.cost),
     }
 
 
@@ -284,6 +288,8 @@ def markdown(
         out += section(
             kv_path.TITLE, kv_path.markdown(run.kv_path, run.comparisons, run.model)
         )
+    if run.cost:
+        out += section(transfer_cost.TITLE, transfer_cost.markdown(run.cost))
     if run.comparisons:
         out += section(
             "Mooncake transfer engine alone (TCP, loopback, two processes)",

@@ -41,6 +41,7 @@ from bench import (
     router_overhead,
     slo,
     stack,
+    transfer_cost,
 )
 from bench.settings import Settings
 from bench.vllm_bench import Level, Plan
@@ -178,6 +179,52 @@ def kv_path_step(
             (where / kv_path.STATE_FILE).write_text(json.dumps(data, indent=1))
     except (OSError, wait.WaitError) as exc:
         progress(f"KV path stopped: {exc}")
+    return notes
+
+
+def transfer_cost_step(
+    s: Settings, own: supervisor.Processes, out: Path, progress: Clock
+) -> list[str]:
+    """Per state (bench.kv_path.STATES) the P/D stack restarted with its
+    environment, then bench.transfer_cost's ladder fresh, a burst, the ladder
+    fragmented; then, the stack stopped, the engine alone at the same bytes.
+    The figures are written even if a later state fails."""
+    samples: list[transfer_cost.Sample] = []
+    info: dict[str, Any] = {}
+    layout, notes = None, []
+    try:
+        for index, state in enumerate(kv_path.STATES):
+            env = kv_path.STATE_ENV[state]
+            progress(f"transfer cost '{state}': P/D (re)started")
+            urls, _, notes = stack.restart_pd(own, s.profile, env)
+            layout = layout or kv_transfer.served_layout(urls.prefill, s.profile)
+            records = own.records()
+            pids = {role: transfer_cost.engine_process(records[role].pid)
+                    for role in ("prefill", "decode")}  # fmt: skip
+            if None in pids.values():
+                raise OSError(f"no process maps Mooncake's engine: {pids}")
+            meter = transfer_cost.Meter(pids)  # type: ignore[arg-type]
+            lengths = transfer_cost.ladder(client.max_model_len(urls.prefill), s.quick)
+            progress(f"transfer cost '{state}': prompts of {lengths} tokens")
+            got, info[state] = transfer_cost.measure_state(
+                state, urls.router, urls.prefill, meter, lengths, s.quick,
+                s.seed + 5000 + 1000 * index, progress,
+            )  # fmt: skip
+            samples += got
+    except (OSError, wait.WaitError, client.CompletionError) as exc:
+        progress(f"transfer cost stopped: {exc}")
+        info["stopped"] = str(exc)
+    own.stop(["router", "decode", "prefill"])
+    regions = sum(r["layers"] for r in layout["regions"]) if layout else None
+    engine: dict[int, float] = {}
+    if sizes := {int(x.nbytes) for x in samples if x.nbytes > 0}:
+        progress(f"transfer cost: the engine alone at {len(sizes)} sizes")
+        try:
+            engine = transfer_cost.engine_cpu(sizes)
+        except (OSError, RuntimeError) as exc:
+            progress(f"transfer cost: engine alone failed: {exc}")
+    result = transfer_cost.Result(samples, regions, engine, info)
+    transfer_cost.write(out, result)
     return notes
 
 
@@ -380,6 +427,14 @@ def kv_path_only(s: Settings) -> Path:
     return _finish(out, progress)
 
 
+def transfer_cost_only(s: Settings) -> Path:
+    """``python -m bench transfer-cost``: bench.transfer_cost's states on the
+    bench's own P/D stack, then the engine alone at the same bytes."""
+    step = functools.partial(transfer_cost_step, s)
+    out, progress = _on_own_stack(s, "transfer cost", step)
+    return _finish(out, progress)
+
+
 def run(s: Settings) -> Path:
     progress = Clock()
     info = None
@@ -440,6 +495,8 @@ def run(s: Settings) -> Path:
                 checksum_step(s, own, urls, out, progress)
             if s.kv_path:
                 kv_path_step(s, own, out, progress)
+            if s.transfer_cost:
+                meta["notes"] += transfer_cost_step(s, own, out, progress)
         else:
             assert s.urls is not None and info is not None
             meta["stack"] = f"given by URLs: {s.urls}"
