@@ -31,6 +31,7 @@ from bench.levels import (
     METRICS,
     MIB,
     TARGETS,
+    WALL_CLOCK,
     LevelResult,
     Pair,
     fmt,
@@ -86,7 +87,8 @@ def kv_table(pairs: Sequence[Pair], model: kv_layout.KVLayout | None) -> list[st
 
     head = [
         "prompt", "conc.", "requests / transfers", "bytes/request",
-        "descriptors/transfer", "ms per transfer", "share of mean TTFT",
+        "descriptors/transfer", "ms per transfer",
+        f"share of mean TTFT ({WALL_CLOCK})",
         "effective MB/s", "layout check",
     ]  # fmt: skip
     return table(head, (cells(p, c) for p in pairs if (c := p.kv_cost()) is not None))

@@ -17,7 +17,7 @@ from typing import Any
 from bench import hosts_link as hl
 from bench import kv_checksum, kv_path, transfer_cost
 from bench import transfer_engine as te
-from bench.levels import GIB, MIB, Pair, fmt, fmt_pct, ratio
+from bench.levels import GIB, MIB, WALL_CLOCK, Pair, fmt, fmt_pct, ratio
 from bench.settings import human_bytes
 
 KV_SHARE_TARGET = 0.05
@@ -68,7 +68,9 @@ def advice(label: str, **figures: str) -> str:
 
 
 def _kv_share_target(pairs: Sequence[Pair]) -> Target:
-    name = f"KV transfer share of TTFT, {KV_SHARE_INPUT_LEN}-token prompts"
+    name = (
+        f"KV transfer share of TTFT, {KV_SHARE_INPUT_LEN}-token prompts, {WALL_CLOCK}"
+    )
     target = f"<= {KV_SHARE_TARGET:.0%}"
     measured = [p for p in pairs if p.input_len == KV_SHARE_INPUT_LEN and p.kv_cost()]
     if not measured:
@@ -341,7 +343,7 @@ def _fragmentation_target(result: kv_path.Result | None) -> Target:
 def _staged_share_target(result: kv_path.Result | None) -> Target:
     """Staged, both passes: transfer p50 as a share of TTFT p50."""
     n = STAGED_SHARE_INPUT_LEN
-    name = f"KV staging: transfer share of TTFT, {n}-token prompts"
+    name = f"KV staging: transfer share of TTFT, {n}-token prompts, {WALL_CLOCK}"
     target = f"<= {STAGED_SHARE_TARGET:.0%}"
     if result is None:
         return Target(name, target, "not measured", None)
@@ -359,7 +361,7 @@ def _staged_share_target(result: kv_path.Result | None) -> Target:
 def _descriptor_target(result: transfer_cost.Result | None) -> Target:
     """Staged sends, every prompt length, fresh and fragmented: descriptors
     per request within ceil(bytes / 1 MiB) + one per region."""
-    name = "KV staging: descriptors per request, 128 tokens to max-model-len"
+    name = "KV transfer cost: descriptors per request, 128 tokens to max-model-len"
     target = "<= ceil(bytes / 1 MiB) + one per region"
     staged = [s for s in result.samples if s.state == "staged"] if result else []
     if result is None or not staged or result.regions is None:
@@ -386,7 +388,7 @@ def _cpu_target(result: transfer_cost.Result | None) -> Target:
     """Staged, every request: both servers' transfer threads' CPU-seconds per
     GiB (net of their idle rate) over the engine alone's for the same bytes."""
     limit = transfer_cost.CPU_RATIO_TARGET
-    name = "KV staging: transfer threads' CPU-s per GiB vs engine alone"
+    name = "KV transfer cost: transfer threads' CPU-s per GiB vs engine alone"
     target = f"<= {limit:g}x"
     figures = result.cpu_per_gib("staged") if result else {}
     if not figures or figures.get("ratio") is None:
