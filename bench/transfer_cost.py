@@ -12,12 +12,14 @@ both servers' transfer threads spent meanwhile (``/proc/<pid>/task/*/stat``).
 
 Which threads: Mooncake's (C++, asio) and the connector's (Python pools and
 event loops) have no names of their own: read from /proc, each carries its
-process's name (``python`` in a loopback engine; measured 2026-12-02). So the
+process's name (``python`` in a loopback engine, ``VLLM::Worker`` in vLLM's
+worker; seen 2026-12-02), while the other libraries in the worker name
+theirs (``ZMQbg/IO/0``, ``gloo_tcp_loop``, ``pt_gloo_runloop``). So the
 transfer threads are, in the process that maps Mooncake's engine (vLLM's
-worker), every thread but the main one, which runs the forward pass, and
-ZeroMQ's own (named ``ZMQbg/...``: vLLM's messaging). Their CPU over a request
-also holds what they burn idle; that idle rate is measured before each pass
-and subtracted (both figures are kept).
+worker), the threads bearing the process's name but the main one, which
+runs the forward pass. Their CPU over a request also holds what they burn
+idle; that idle rate is measured before each pass and subtracted (both
+figures are kept, and every thread name's CPU beside them).
 """
 
 from __future__ import annotations
@@ -45,8 +47,6 @@ OUTPUT_TOKENS = 2
 # Token ids of the prompts: inside every tiny model's vocabulary (1024), past
 # the special tokens.
 TOKEN_IDS = (10, 1000)
-# Threads named by ZeroMQ (vLLM's messaging), not the transfer path.
-NOT_TRANSFER = ("ZMQbg",)
 IDLE_S = 5.0
 SETTLE_S = 60.0
 REQUEST_TIMEOUT_S = 600.0
@@ -78,8 +78,20 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
-def is_transfer_thread(pid: int, tid: int, name: str) -> bool:
-    return tid != pid and not name.startswith(NOT_TRANSFER)
+def is_transfer_thread(pid: int, tid: int, name: str, process_name: str) -> bool:
+    """Unnamed (bearing the process's name), and not the main thread."""
+    return tid != pid and name == process_name
+
+
+def by_name(
+    before: Mapping[int, tuple[str, float]], after: Mapping[int, tuple[str, float]]
+) -> dict[str, float]:
+    """CPU seconds per thread name between two thread_cpu readings (a thread
+    new since ``before`` from zero; one that ended is lost)."""
+    out: dict[str, float] = {}
+    for tid, (name, cpu) in after.items():
+        out[name] = out.get(name, 0.0) + cpu - before.get(tid, (name, 0.0))[1]
+    return out
 
 
 def transfer_seconds(
@@ -89,10 +101,11 @@ def transfer_seconds(
 ) -> float:
     """CPU seconds the transfer threads of ``pid`` spent between two
     thread_cpu readings (a thread new since ``before`` from zero)."""
+    process_name = after.get(pid, before.get(pid, ("", 0.0)))[0]
     return sum(
-        cpu - (before[tid][1] if tid in before else 0.0)
+        cpu - before.get(tid, (name, 0.0))[1]
         for tid, (name, cpu) in after.items()
-        if is_transfer_thread(pid, tid, name)
+        if is_transfer_thread(pid, tid, name, process_name)
     )
 
 
@@ -131,6 +144,19 @@ class Meter:
             for role, pid in self.pids.items()
         }
 
+    def names(
+        self, before: Mapping[str, Any], after: Mapping[str, Any]
+    ) -> dict[str, dict[str, float]]:
+        """Per role, CPU seconds per thread name (the main thread apart)."""
+        out = {}
+        for role, pid in self.pids.items():
+            main = {t: v for t, v in after[role].items() if t == pid}
+            rest = {t: v for t, v in after[role].items() if t != pid}
+            named = by_name(before[role], rest)
+            named["(main thread)"] = sum(by_name(before[role], main).values())
+            out[role] = named
+        return out
+
     def idle_rate(self, seconds: float = IDLE_S) -> dict[str, float]:
         """CPU seconds per second the transfer threads burn with nothing sent."""
         before = self.read()
@@ -168,6 +194,8 @@ class Sample:
     cpu_s: dict[str, float]  # role -> transfer threads' CPU seconds
     idle_s: dict[str, float]  # role -> the idle rate times the request's time
     wall_s: float
+    # role -> thread name -> CPU seconds, every thread (what was left out).
+    threads: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> float:
@@ -195,9 +223,10 @@ def one_request(
     client.complete(router, prompt(length, seed), OUTPUT_TOKENS, REQUEST_TIMEOUT_S)
     counters = kv_transfer.settle_delta(prefill, before, 1, SETTLE_S)
     wall = time.monotonic() - start
-    cpu = meter.seconds(cpu_before, meter.read())
-    return Sample(state, name, length, counters, cpu,
-                  {role: rate * wall for role, rate in idle.items()}, wall)  # fmt: skip
+    cpu_after = meter.read()
+    return Sample(state, name, length, counters, meter.seconds(cpu_before, cpu_after),
+                  {role: rate * wall for role, rate in idle.items()}, wall,
+                  meter.names(cpu_before, cpu_after))  # fmt: skip
 
 
 def burst(router: str, seed: int, quick: bool, max_len: int) -> int:

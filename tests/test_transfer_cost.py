@@ -74,28 +74,41 @@ def test_ladder_runs_from_128_tokens_to_the_longest_prompt() -> None:
     assert full == sorted(set(full))
 
 
-def test_transfer_threads_are_the_non_main_threads_from_proc() -> None:
-    """Real /proc: a busy second thread is counted, the main thread's work
-    is not."""
+def test_transfer_threads_are_the_unnamed_non_main_threads_from_proc() -> None:
+    """Real /proc: a busy unnamed thread (Mooncake's and the connector's
+    carry the process's name) is counted; the main thread's work (the
+    forward pass's place in a server) and a named thread's (gloo, ZeroMQ)
+    are not."""
 
     def spin(seconds: float) -> None:
         end = time.thread_time() + seconds
         while time.thread_time() < end:
             pass
 
+    def named() -> None:
+        Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text("gloo_t")
+        spin(0.3)
+        event.wait(10)
+
     pid = os.getpid()
-    # A thread's time leaves /proc with it: read while the busy one lives.
+    # A thread's time leaves /proc with it: read while the busy ones live.
     event = threading.Event()
-    busy = threading.Thread(target=lambda: (spin(0.3), event.wait(10)))
+    busy = [
+        threading.Thread(target=lambda: (spin(0.3), event.wait(10))),
+        threading.Thread(target=named),
+    ]
     before = tc.thread_cpu(pid)
-    busy.start()
+    for thread in busy:
+        thread.start()
     spin(0.3)
-    time.sleep(0.5)
+    time.sleep(0.6)
     after = tc.thread_cpu(pid)
     event.set()
-    busy.join()
+    for thread in busy:
+        thread.join()
     counted = tc.transfer_seconds(pid, before, after)
     assert 0.2 <= counted <= 0.45, counted
+    assert tc.by_name(before, after)["gloo_t"] >= 0.2
 
 
 def test_the_run_file_round_trips(tmp_path: Path) -> None:
