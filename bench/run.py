@@ -1,11 +1,12 @@
 """The whole benchmark, as `make bench` runs it; every step has a deadline.
 
 On the CPU twin (no URLs given) the bench starts and stops its own servers;
-its nine steps are docs/bench.md's "What runs" (the transfer engine first, on
+its ten steps are docs/bench.md's "What runs" (the transfer engine first, on
 a quiet machine; the digest last, everything stopped). Against given URLs (a
-compose stack on GPUs) steps 2-4, 7, 8 and the memory are skipped. ``python
--m bench checksum`` runs steps 7 and 9 alone, ``python -m bench kv-path`` step
-8, then the engine alone at its transfers' sizes.
+compose stack on GPUs) steps 2-4, 7-9 and the memory are skipped. ``python
+-m bench checksum`` runs steps 7 and 10 alone, ``python -m bench kv-path`` step
+8, then the engine alone at its transfers' sizes, ``python -m bench
+transfer-cost`` step 9.
 """
 
 from __future__ import annotations
