@@ -208,11 +208,12 @@ def transfer_cost_step(
             lengths = transfer_cost.ladder(client.max_model_len(urls.prefill), s.quick)
             progress(f"transfer cost '{state}': prompts of {lengths} tokens")
             got, info[state] = transfer_cost.measure_state(
-                state, urls.router, urls.prefill, meter, lengths, s.quick,
+                state, urls, meter, lengths, s.quick,
                 s.seed + 5000 + 1000 * index, progress,
             )  # fmt: skip
             samples += got
-    except (OSError, wait.WaitError, client.CompletionError) as exc:
+    except (OSError, wait.WaitError, client.CompletionError,
+            router_capture.ProtocolError) as exc:  # fmt: skip
         progress(f"transfer cost stopped: {exc}")
         info["stopped"] = str(exc)
     own.stop(["router", "decode", "prefill"])

@@ -7,8 +7,13 @@ Per state (bench.kv_path.STATES: staged, then direct for comparison), on a
 stack just (re)started (fresh block lists): one request at each length of a
 ladder from 128 tokens to max-model-len, then a burst of mixed requests that
 shuffles both servers' free block lists, then the ladder again (fragmented).
-Per request: prefill's counter deltas (bench.kv_transfer) and the CPU time
-both servers' transfer threads spent meanwhile (``/proc/<pid>/task/*/stat``).
+Each request is sent as the router sends it, in two legs (bench.router_capture:
+prefill computes, then decode pulls the KV): the CPU time both servers'
+transfer threads spent (``/proc/<pid>/task/*/stat``) is read around the
+decode leg only, which holds the transfer but not prefill's forward pass
+(tens of seconds at max-model-len on the twin, during which the threads'
+idle burn would swamp the transfer's); prefill's counter deltas
+(bench.kv_transfer) around it too.
 
 Which threads: Mooncake's (C++, asio) and the connector's (Python pools and
 event loops) have no names of their own: read from /proc, each carries its
@@ -36,11 +41,13 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import requests
 
-from bench import kv_path, kv_transfer
+from bench import kv_path, kv_transfer, router_capture
 from bench.levels import GIB, fmt, read_json, table
 from pd_mooncake import staging
 from pdstack import client
+from pdstack.supervisor import Urls
 
 FILE = "transfer_cost.json"
 OUTPUT_TOKENS = 2
@@ -193,7 +200,7 @@ class Sample:
     counters: dict[str, float]
     cpu_s: dict[str, float]  # role -> transfer threads' CPU seconds
     idle_s: dict[str, float]  # role -> the idle rate times the request's time
-    wall_s: float
+    wall_s: float  # the decode leg's
     # role -> thread name -> CPU seconds, every thread (what was left out).
     threads: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -214,16 +221,31 @@ class Sample:
         return sum(self.cpu_s.values()) - sum(self.idle_s.values())
 
 
+def _post(url: str, body: Mapping[str, Any]) -> None:
+    answer = requests.post(
+        f"{url}/v1/completions",
+        json=body,
+        headers=client.headers(),
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    if answer.status_code != 200:
+        raise client.CompletionError(f"{url}: HTTP {answer.status_code}: {answer.text}")
+
+
 def one_request(
-    router: str, prefill: str, meter: Meter, idle: Mapping[str, float],
+    urls: Urls, engine: str, meter: Meter, idle: Mapping[str, float],
     length: int, seed: int, state: str, name: str,
 ) -> Sample:  # fmt: skip
-    before, cpu_before = kv_transfer.scrape(prefill), meter.read()
+    bootstrap = router_capture.bootstrap_url(urls.prefill, urls.bootstrap_port)
+    body = client.greedy(prompt(length, seed), OUTPUT_TOKENS)
+    prefill_leg, decode_leg = router_capture.build_legs(body, engine, bootstrap)
+    _post(urls.prefill, prefill_leg)
+    before, cpu_before = kv_transfer.scrape(urls.prefill), meter.read()
     start = time.monotonic()
-    client.complete(router, prompt(length, seed), OUTPUT_TOKENS, REQUEST_TIMEOUT_S)
-    counters = kv_transfer.settle_delta(prefill, before, 1, SETTLE_S)
+    _post(urls.decode, decode_leg)  # decode pulls the KV before answering
     wall = time.monotonic() - start
     cpu_after = meter.read()
+    counters = kv_transfer.settle_delta(urls.prefill, before, 1, SETTLE_S)
     return Sample(state, name, length, counters, meter.seconds(cpu_before, cpu_after),
                   {role: rate * wall for role, rate in idle.items()}, wall,
                   meter.names(cpu_before, cpu_after))  # fmt: skip
@@ -252,11 +274,15 @@ def burst(router: str, seed: int, quick: bool, max_len: int) -> int:
 
 
 def measure_state(
-    state: str, router: str, prefill: str, meter: Meter, lengths: Sequence[int],
+    state: str, urls: Urls, meter: Meter, lengths: Sequence[int],
     quick: bool, seed: int, progress: Callable[[str], None],
 ) -> tuple[list[Sample], dict[str, Any]]:  # fmt: skip
     """One state on a stack just started: warm-up, fresh ladder, burst,
     fragmented ladder."""
+    router = urls.router
+    engine = router_capture.engine_id(
+        router_capture.bootstrap_url(urls.prefill, urls.bootstrap_port)
+    )
     # The warm-up opens Mooncake's connections (not counted).
     client.complete(router, prompt(128, seed - 1), OUTPUT_TOKENS, REQUEST_TIMEOUT_S)
     samples, info = [], {}
@@ -268,7 +294,7 @@ def measure_state(
         idle = meter.idle_rate()
         info[f"idle_rate_{name}"] = idle
         for i, n in enumerate(lengths):
-            sample = one_request(router, prefill, meter, idle, n,
+            sample = one_request(urls, engine, meter, idle, n,
                                  seed + 100 * index + i, state, name)  # fmt: skip
             samples.append(sample)
             progress(
@@ -416,9 +442,10 @@ def markdown(result: Result) -> list[str]:
         "(fresh) and after a burst of mixed requests (fragmented). Bound: "
         f"ceil(bytes / {staging.CHUNK_BYTES >> 20} MiB) + one per KV region "
         f"({result.regions} regions). CPU: the transfer threads of both "
-        "servers' worker processes (every thread but the main one and "
-        "ZeroMQ's), from /proc/<pid>/task/*/stat, their idle rate before the "
-        "pass taken out (net); engine alone: two loopback engines writing the "
+        "servers' worker processes (the unnamed threads but the main one), "
+        "from /proc/<pid>/task/*/stat, over the decode leg (decode's pull), "
+        "their idle rate before the pass taken out (net); engine alone: two "
+        "loopback engines writing the "
         "same bytes in 1 MiB descriptors, every thread of both processes. "
         "CPU-seconds and descriptor counts do not depend on how busy the "
         "cores are (within the clock tick); wall-clock shares elsewhere in "
