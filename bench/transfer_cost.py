@@ -47,6 +47,7 @@ from bench import kv_path, kv_transfer, router_capture
 from bench.levels import GIB, fmt, read_json, table
 from pd_mooncake import staging
 from pdstack import client
+from pdstack import metrics as m
 from pdstack.supervisor import Urls
 
 FILE = "transfer_cost.json"
@@ -287,7 +288,9 @@ def measure_state(
     )
     # The warm-up opens Mooncake's connections (not counted).
     client.complete(router, prompt(128, seed - 1), OUTPUT_TOKENS, REQUEST_TIMEOUT_S)
-    samples, info = [], {}
+    # Whether the KV checksum's digests are in the CPU figures.
+    checksum = m.scrape(urls.prefill).total(m.CHECKSUM_ENABLED)
+    samples, info = [], {"kv_checksum": bool(checksum)}
     for index, name in enumerate(kv_path.PASSES):
         if name == "fragmented":
             answered = burst(router, seed + 500, quick, lengths[-1])
@@ -471,6 +474,10 @@ def markdown(result: Result) -> list[str]:
                     f"engine alone {fmt(figures['engine_alone'], 2)}, ratio "
                     f"{fmt(figures['ratio'], 2)}"
                 )
+    for state, data in result.info.items():
+        if isinstance(data, dict) and "kv_checksum" in data:
+            on = "on (its digests count)" if data["kv_checksum"] else "off"
+            out.append(f"- {state}: KV checksum {on}")
     staged = [s for s in result.samples if s.state == "staged"]
     if unstaged := [s for s in staged if not s.staged]:
         out.append(f"- {len(unstaged)} request(s) of the 'staged' state went direct")
