@@ -217,7 +217,9 @@ def transfer_cost_step(
         progress(f"transfer cost stopped: {exc}")
         info["stopped"] = str(exc)
     own.stop(["router", "decode", "prefill"])
-    regions = sum(r["layers"] for r in layout["regions"]) if layout else None
+    # Upstream registers a region per layer: the layout's layers.
+    model = kv_transfer.layout_from_json(layout)
+    regions = model.layers if model else None
     engine: dict[int, float] = {}
     if sizes := {int(x.nbytes) for x in samples if x.nbytes > 0}:
         progress(f"transfer cost: the engine alone at {len(sizes)} sizes")
