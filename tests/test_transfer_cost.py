@@ -119,3 +119,18 @@ def test_the_run_file_round_trips(tmp_path: Path) -> None:
     assert again.engine_cpu_per_byte == result.engine_cpu_per_byte
     assert "NO" not in "\n".join(tc.markdown(again))
     assert tc.read(tmp_path / "none") is None
+
+
+def test_the_report_has_the_section_and_both_targets(tmp_path: Path) -> None:
+    from bench import report
+
+    over = sample(11 + REGIONS, 10 * MIB, cpu=1.0)  # 102 CPU-s/GiB against 1.07
+    result = tc.Result([over], REGIONS, {10 * MIB: 1e-9})
+    tc.write(tmp_path, result)
+    summary = report.build(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert f"## {tc.TITLE}" in text and "| NO |" in text
+    judged = {t["name"]: t["met"] for t in summary["targets"]}
+    cost = {n: met for n, met in judged.items() if n.startswith("KV transfer cost")}
+    assert list(cost.values()) == [False, False], cost
+    assert summary["transfer_cost"]["requests"][0]["bound"] == 10 + REGIONS
