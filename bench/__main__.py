@@ -22,6 +22,9 @@ COMMANDS = {
     "checksum": "the KV checksum's cost only: P/D with it on and off, the digest alone",
     "kv-path": "the KV path only: staged and direct sends, fresh and fragmented, "
     "on the bench's own P/D stack; then the engine alone",
+    "transfer-cost": "descriptors and transfer threads' CPU per GiB by prompt "
+    "length, staged and direct, fresh and fragmented, on the bench's own P/D "
+    "stack; then the engine alone at the same bytes",
 }
 # Each command's own options: (command, flag, help, argparse's keywords).
 OPTIONS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
@@ -82,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench import run
 
         chosen.run_dir.mkdir(parents=True, exist_ok=True)
-        steps = {"checksum": run.checksum_only, "kv-path": run.kv_path_only}
+        steps = {"checksum": run.checksum_only, "kv-path": run.kv_path_only,
+                 "transfer-cost": run.transfer_cost_only}  # fmt: skip
         steps.get(opts.command, run.run)(chosen)
         return 0
     except (

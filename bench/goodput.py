@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import evidence, slo, topology
-from bench.levels import fmt, read_json, table
+from bench.levels import WALL_CLOCK, fmt, read_json, table
 from bench.rate_sweep import PROBE, TARGETS, rate_name
 
 DIR = "goodput"
@@ -158,7 +158,7 @@ def answers(sweep: Sweep) -> list[str]:
         out.append(
             f"KV transfer is {ms / ttft:.1%} of P/D's TTFT at "
             f"{plan.get('input_len')} tokens ({ms:.1f} of {ttft:.0f} ms, one "
-            "request alone)."
+            f"request alone; {WALL_CLOCK})."
         )
     else:
         out.append("KV transfer's share of TTFT: not measurable (no transfer "

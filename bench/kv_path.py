@@ -21,7 +21,7 @@ from typing import Any
 
 from bench import kv_phases, kv_transfer, single_requests
 from bench import transfer_engine as te
-from bench.levels import fmt, fmt_pct, ratio, read_json, table
+from bench.levels import WALL_CLOCK, fmt, fmt_pct, ratio, read_json, table
 from bench.settings import Settings, human_bytes
 from bench.single_requests import Request, p50
 from bench.vllm_bench import Level, Plan
@@ -302,7 +302,7 @@ def _cells(result: Result) -> list[tuple[str, str, int, Cell]]:
 # -- the report's section -----------------------------------------------------------
 TITLE = "KV path: staged / direct sends, fresh / fragmented block lists"
 HEAD = ("state", "pass", "prompt", "requests", "descriptors p50", "transfer p50 ms",
-        "rate p50 MB/s", "TTFT p50 ms", "transfer / TTFT",
+        "rate p50 MB/s", "TTFT p50 ms", f"transfer / TTFT ({WALL_CLOCK})",
         "rate / engine bulk (size)",
         f"rate / engine {human_bytes(te.CHUNK_BYTES)} descriptors")  # fmt: skip
 PHASE_HEAD = ("state", "pass", "prompt", "staged requests",

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import goodput, kv_checksum, kv_path, kv_transfer
+from bench import goodput, kv_checksum, kv_path, kv_transfer, transfer_cost
 from bench import hosts_link as hl
 from bench import transfer_engine as te
 from bench.levels import (
@@ -31,6 +31,7 @@ from bench.levels import (
     METRICS,
     MIB,
     TARGETS,
+    WALL_CLOCK,
     LevelResult,
     Pair,
     fmt,
@@ -86,7 +87,8 @@ def kv_table(pairs: Sequence[Pair], model: kv_layout.KVLayout | None) -> list[st
 
     head = [
         "prompt", "conc.", "requests / transfers", "bytes/request",
-        "descriptors/transfer", "ms per transfer", "share of mean TTFT",
+        "descriptors/transfer", "ms per transfer",
+        f"share of mean TTFT ({WALL_CLOCK})",
         "effective MB/s", "layout check",
     ]  # fmt: skip
     return table(head, (cells(p, c) for p in pairs if (c := p.kv_cost()) is not None))
@@ -136,11 +138,13 @@ class Run:
     checksum: kv_checksum.Result | None
     hosts_link: list[hl.Rate]
     kv_path: kv_path.Result | None
+    cost: transfer_cost.Result | None = None
 
     @functools.cached_property
     def checks(self) -> list[Target]:
         return judge(self.pairs, self.overhead, self.comparisons, self.memory,
-                     self.checksum, self.hosts_link, self.kv_path)  # fmt: skip
+                     self.checksum, self.hosts_link, self.kv_path,
+                     self.cost)  # fmt: skip
 
     @classmethod
     def read(cls, run_dir: Path) -> Run:
@@ -175,6 +179,7 @@ class Run:
             checksum=kv_checksum.read(run_dir),
             hosts_link=hl.from_json(read_json(run_dir / "hosts_link.json") or []),
             kv_path=kv_path.read(run_dir),
+            cost=transfer_cost.read(run_dir),
             meta=read_json(run_dir / "meta.json") or {},
             startup=read_json(run_dir / "startup.json") or {},
             model=kv_transfer.layout_from_json(read_json(run_dir / "kv_layout.json")),
@@ -210,6 +215,7 @@ def summary(run: Run) -> dict[str, Any]:
         "hosts_link": [r.summary() for r in run.hosts_link],
         "kv_checksum": kv_checksum.summary(run.checksum),
         "kv_path": kv_path.summary(run.kv_path, run.comparisons),
+        "transfer_cost": transfer_cost.summary(run.cost),
     }
 
 
@@ -294,6 +300,8 @@ def markdown(
         out += section(
             kv_path.TITLE, kv_path.markdown(run.kv_path, run.comparisons, run.model)
         )
+    if run.cost:
+        out += section(transfer_cost.TITLE, transfer_cost.markdown(run.cost))
     if run.comparisons:
         out += section(
             "Mooncake transfer engine alone (TCP, loopback, two processes)",

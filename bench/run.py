@@ -1,11 +1,12 @@
 """The whole benchmark, as `make bench` runs it; every step has a deadline.
 
 On the CPU twin (no URLs given) the bench starts and stops its own servers;
-its nine steps are docs/bench.md's "What runs" (the transfer engine first, on
+its ten steps are docs/bench.md's "What runs" (the transfer engine first, on
 a quiet machine; the digest last, everything stopped). Against given URLs (a
-compose stack on GPUs) steps 2-4, 7, 8 and the memory are skipped. ``python
--m bench checksum`` runs steps 7 and 9 alone, ``python -m bench kv-path`` step
-8, then the engine alone at its transfers' sizes.
+compose stack on GPUs) steps 2-4, 7-9 and the memory are skipped. ``python
+-m bench checksum`` runs steps 7 and 10 alone, ``python -m bench kv-path`` step
+8, then the engine alone at its transfers' sizes, ``python -m bench
+transfer-cost`` step 9.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from bench import (
     slo,
     stack,
     topology,
+    transfer_cost,
 )
 from bench.settings import Settings
 from bench.vllm_bench import Level, Plan
@@ -179,6 +181,55 @@ def kv_path_step(
             (where / kv_path.STATE_FILE).write_text(json.dumps(data, indent=1))
     except (OSError, wait.WaitError) as exc:
         progress(f"KV path stopped: {exc}")
+    return notes
+
+
+def transfer_cost_step(
+    s: Settings, own: supervisor.Processes, out: Path, progress: Clock
+) -> list[str]:
+    """Per state (bench.kv_path.STATES) the P/D stack restarted with its
+    environment, then bench.transfer_cost's ladder fresh, a burst, the ladder
+    fragmented; then, the stack stopped, the engine alone at the same bytes.
+    The figures are written even if a later state fails."""
+    samples: list[transfer_cost.Sample] = []
+    info: dict[str, Any] = {}
+    layout, notes = None, []
+    try:
+        for index, state in enumerate(kv_path.STATES):
+            env = kv_path.STATE_ENV[state]
+            progress(f"transfer cost '{state}': P/D (re)started")
+            urls, _, notes = stack.restart_pd(own, s.profile, env)
+            layout = layout or kv_transfer.served_layout(urls.prefill, s.profile)
+            records = own.records()
+            pids = {role: transfer_cost.engine_process(records[role].pid)
+                    for role in ("prefill", "decode")}  # fmt: skip
+            if None in pids.values():
+                raise OSError(f"no process maps Mooncake's engine: {pids}")
+            meter = transfer_cost.Meter(pids)  # type: ignore[arg-type]
+            lengths = transfer_cost.ladder(client.max_model_len(urls.prefill), s.quick)
+            progress(f"transfer cost '{state}': prompts of {lengths} tokens")
+            got, info[state] = transfer_cost.measure_state(
+                state, urls, meter, lengths, s.quick,
+                s.seed + 5000 + 1000 * index, progress,
+            )  # fmt: skip
+            samples += got
+    except (OSError, wait.WaitError, client.CompletionError,
+            router_capture.ProtocolError) as exc:  # fmt: skip
+        progress(f"transfer cost stopped: {exc}")
+        info["stopped"] = str(exc)
+    own.stop(["router", "decode", "prefill"])
+    # Upstream registers a region per layer: the layout's layers.
+    model = kv_transfer.layout_from_json(layout)
+    regions = model.layers if model else None
+    engine: dict[int, float] = {}
+    if sizes := {int(x.nbytes) for x in samples if x.nbytes > 0}:
+        progress(f"transfer cost: the engine alone at {len(sizes)} sizes")
+        try:
+            engine = transfer_cost.engine_cpu(sizes)
+        except (OSError, RuntimeError) as exc:
+            progress(f"transfer cost: engine alone failed: {exc}")
+    result = transfer_cost.Result(samples, regions, engine, info)
+    transfer_cost.write(out, result)
     return notes
 
 
@@ -383,6 +434,14 @@ def kv_path_only(s: Settings) -> Path:
     return _finish(out, progress)
 
 
+def transfer_cost_only(s: Settings) -> Path:
+    """``python -m bench transfer-cost``: bench.transfer_cost's states on the
+    bench's own P/D stack, then the engine alone at the same bytes."""
+    step = functools.partial(transfer_cost_step, s)
+    out, progress = _on_own_stack(s, "transfer cost", step)
+    return _finish(out, progress)
+
+
 def run(s: Settings) -> Path:
     progress = Clock()
     info = None
@@ -446,6 +505,8 @@ def run(s: Settings) -> Path:
                 checksum_step(s, own, urls, out, progress)
             if s.kv_path:
                 kv_path_step(s, own, out, progress)
+            if s.transfer_cost:
+                meta["notes"] += transfer_cost_step(s, own, out, progress)
         else:
             assert s.urls is not None and info is not None and servers is not None
             meta["stack"] = (

@@ -91,6 +91,8 @@ class Settings:
     # Staged against direct KV sends, fresh and fragmented (bench.kv_path).
     kv_path: bool
     kv_path_requests: int
+    # Descriptors and CPU per GiB by prompt length (bench.transfer_cost).
+    transfer_cost: bool
     tokenizer: str | None
     model: str
     seed: int
@@ -189,6 +191,9 @@ OPTIONS: tuple[tuple[str, str, str, Any, str | None], ...] = (
      "PD_MOONCAKE_KV_STAGING_MIB=0) direct sends, fresh and fragmented"),
     ("--kv-path-requests", "BENCH_KV_PATH_REQUESTS", "5", int,
      "KV path: requests per prompt length, state and pass (one at a time)"),
+    ("--transfer-cost", "BENCH_TRANSFER_COST", "1", SWITCH,
+     "also measure descriptors and CPU-seconds per GiB by prompt length, "
+     "staged and direct, fresh and fragmented (bench.transfer_cost)"),
     ("--tokenizer", "BENCH_TOKENIZER", "", None,
      "default: the profile's model (the generated one for tiny)"),
     ("--model", "BENCH_MODEL", "pd-model", None, "served name"),
@@ -267,6 +272,7 @@ def from_args(args: argparse.Namespace) -> Settings:
         cold_start=bool(args.cold_start),
         kv_checksum=bool(args.kv_checksum),
         kv_path=bool(args.kv_path),
+        transfer_cost=bool(args.transfer_cost),
         tokenizer=args.tokenizer or None,
         quick=bool(args.quick),
         micro=bool(args.micro),

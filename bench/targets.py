@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import hosts_link as hl
-from bench import kv_checksum, kv_path
+from bench import kv_checksum, kv_path, transfer_cost
 from bench import transfer_engine as te
-from bench.levels import GIB, MIB, Pair, fmt, fmt_pct, ratio
+from bench.levels import GIB, MIB, WALL_CLOCK, Pair, fmt, fmt_pct, ratio
 from bench.settings import human_bytes
 
 KV_SHARE_TARGET = 0.05
@@ -68,7 +68,9 @@ def advice(label: str, **figures: str) -> str:
 
 
 def _kv_share_target(pairs: Sequence[Pair]) -> Target:
-    name = f"KV transfer share of TTFT, {KV_SHARE_INPUT_LEN}-token prompts"
+    name = (
+        f"KV transfer share of TTFT, {KV_SHARE_INPUT_LEN}-token prompts, {WALL_CLOCK}"
+    )
     target = f"<= {KV_SHARE_TARGET:.0%}"
     measured = [p for p in pairs if p.input_len == KV_SHARE_INPUT_LEN and p.kv_cost()]
     if not measured:
@@ -341,7 +343,7 @@ def _fragmentation_target(result: kv_path.Result | None) -> Target:
 def _staged_share_target(result: kv_path.Result | None) -> Target:
     """Staged, both passes: transfer p50 as a share of TTFT p50."""
     n = STAGED_SHARE_INPUT_LEN
-    name = f"KV staging: transfer share of TTFT, {n}-token prompts"
+    name = f"KV staging: transfer share of TTFT, {n}-token prompts, {WALL_CLOCK}"
     target = f"<= {STAGED_SHARE_TARGET:.0%}"
     if result is None:
         return Target(name, target, "not measured", None)
@@ -356,6 +358,53 @@ def _staged_share_target(result: kv_path.Result | None) -> Target:
                             "KV staging share", times, at_most=True)  # fmt: skip
 
 
+def _descriptor_target(result: transfer_cost.Result | None) -> Target:
+    """Staged sends, every prompt length, fresh and fragmented: descriptors
+    per request within ceil(bytes / 1 MiB) + one per region."""
+    name = "KV transfer cost: descriptors per request, 128 tokens to max-model-len"
+    target = "<= ceil(bytes / 1 MiB) + one per region"
+    staged = [s for s in result.samples if s.state == "staged"] if result else []
+    if result is None or not staged or result.regions is None:
+        return Target(name, target, "not measured", None)
+    over = result.over_bound()
+    worst = max(staged, key=lambda s: s.descriptors - (result.bound(s.nbytes) or 0))
+    measured = (
+        f"{len(staged) - len(over)} of {len(staged)} within; closest "
+        f"{worst.descriptors:.0f} of {result.bound(worst.nbytes)} "
+        f"({worst.input_len} tokens, {worst.name})"
+    )
+    direct = [s for s in result.samples if s.state == "direct"]
+    note = ""
+    if direct:
+        top = max(direct, key=lambda s: s.descriptors)
+        note = (f"direct: up to {top.descriptors:.0f} descriptors ({top.input_len} "
+                f"tokens, {top.name}), {len(result.over_bound('direct'))} of "
+                f"{len(direct)} over the bound")  # fmt: skip
+    return Target(name, target, measured, not over, note,
+                  "" if not over else advice("KV staging descriptors"))  # fmt: skip
+
+
+def _cpu_target(result: transfer_cost.Result | None) -> Target:
+    """Staged, every request: both servers' transfer threads' CPU-seconds per
+    GiB (net of their idle rate) over the engine alone's for the same bytes."""
+    limit = transfer_cost.CPU_RATIO_TARGET
+    name = "KV transfer cost: transfer threads' CPU-s per GiB vs engine alone"
+    target = f"<= {limit:g}x"
+    figures = result.cpu_per_gib("staged") if result else {}
+    if not figures or figures.get("ratio") is None:
+        return Target(name, target, "not measured", None)
+    ratio_ = figures["ratio"]
+    measured = (f"{ratio_:.2f}x ({figures['net']:.2f} vs "
+                f"{figures['engine_alone']:.2f} CPU-s/GiB)")  # fmt: skip
+    direct = result.cpu_per_gib("direct") if result else {}
+    note = f"raw (idle not taken out): {figures['raw']:.2f} CPU-s/GiB"
+    if direct.get("ratio") is not None:
+        note += f"; direct: {direct['net']:.2f} CPU-s/GiB, {direct['ratio']:.2f}x"
+    met = ratio_ <= limit
+    return Target(name, target, measured, met, note,
+                  "" if met else advice("KV transfer CPU"))  # fmt: skip
+
+
 def judge(
     pairs: Sequence[Pair],
     overhead: Mapping[str, Any] | None,
@@ -364,6 +413,7 @@ def judge(
     checksum: kv_checksum.Result | None = None,
     hosts_link: Sequence[hl.Rate] = (),
     kv_paths: kv_path.Result | None = None,
+    cost: transfer_cost.Result | None = None,
 ) -> list[Target]:
     return [
         _kv_share_target(pairs),
@@ -376,4 +426,6 @@ def judge(
         _staged_rate_target(kv_paths, comparisons),
         _fragmentation_target(kv_paths),
         _staged_share_target(kv_paths),
+        _descriptor_target(cost),
+        _cpu_target(cost),
     ]

@@ -1,0 +1,509 @@
+"""The KV transfer path's cost in counts that do not depend on the cores being
+quiet (docs/bench.md, "Transfer cost"): Mooncake descriptors per request
+against prompt length, and CPU-seconds of the transfer threads per GiB moved
+against Mooncake's engine alone moving the same bytes.
+
+Per state (bench.kv_path.STATES: staged, then direct for comparison), on a
+stack just (re)started (fresh block lists): one request at each length of a
+ladder from 128 tokens to max-model-len, then a burst of mixed requests that
+shuffles both servers' free block lists, then the ladder again (fragmented).
+Each request is sent as the router sends it, in two legs (bench.router_capture:
+prefill computes, then decode pulls the KV): the CPU time both servers'
+transfer threads spent (``/proc/<pid>/task/*/stat``) is read around the
+decode leg only, which holds the transfer but not prefill's forward pass
+(tens of seconds at max-model-len on the twin, during which the threads'
+idle burn would swamp the transfer's); prefill's counter deltas
+(bench.kv_transfer) around it too.
+
+Which threads: Mooncake's (C++, asio) and the connector's (Python pools and
+event loops) have no names of their own: read from /proc, each carries its
+process's name (``python`` in a loopback engine, ``VLLM::Worker`` in vLLM's
+worker; seen 2026-12-02), while the other libraries in the worker name
+theirs (``ZMQbg/IO/0``, ``gloo_tcp_loop``, ``pt_gloo_runloop``). So the
+transfer threads are, in the process that maps Mooncake's engine (vLLM's
+worker), the threads bearing the process's name but the main one, which
+runs the forward pass. Their CPU over a request also holds what they burn
+idle; that idle rate is measured before each pass and subtracted (both
+figures are kept, and every thread name's CPU beside them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import requests
+
+from bench import kv_path, kv_transfer, router_capture
+from bench.levels import GIB, fmt, read_json, table
+from pd_mooncake import staging
+from pdstack import client
+from pdstack import metrics as m
+from pdstack.supervisor import Urls
+
+FILE = "transfer_cost.json"
+OUTPUT_TOKENS = 2
+# Token ids of the prompts: inside every tiny model's vocabulary (1024), past
+# the special tokens.
+TOKEN_IDS = (10, 1000)
+IDLE_S = 5.0
+SETTLE_S = 60.0
+REQUEST_TIMEOUT_S = 600.0
+# Targets (issue 26): descriptors at most ceil(bytes / 1 MiB) + one per
+# region; CPU per GiB at most this times the engine alone's.
+CPU_RATIO_TARGET = 1.5
+# The engine alone: each size written at least 3 times and this many bytes
+# in all (CPU time is counted in 10 ms ticks: about 3 at 1 GiB/CPU-s per
+# 32 MiB).
+ENGINE_BYTES = 512 << 20
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# -- CPU time of threads, from /proc ------------------------------------------------
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """Each live thread of ``pid``: (its name, CPU seconds user + system)."""
+    out = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return {}
+    for task in tasks:
+        try:
+            text = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        # Fields after the name, from field 3 (state): utime is 14, stime 15.
+        rest = text[text.rindex(")") + 2 :].split()
+        out[int(task.name)] = (name, (int(rest[11]) + int(rest[12])) / CLK_TCK)
+    return out
+
+
+def is_transfer_thread(pid: int, tid: int, name: str, process_name: str) -> bool:
+    """Unnamed (bearing the process's name), and not the main thread."""
+    return tid != pid and name == process_name
+
+
+def by_name(
+    before: Mapping[int, tuple[str, float]], after: Mapping[int, tuple[str, float]]
+) -> dict[str, float]:
+    """CPU seconds per thread name between two thread_cpu readings (a thread
+    new since ``before`` from zero; one that ended is lost)."""
+    out: dict[str, float] = {}
+    for tid, (name, cpu) in after.items():
+        out[name] = out.get(name, 0.0) + cpu - before.get(tid, (name, 0.0))[1]
+    return out
+
+
+def transfer_seconds(
+    pid: int,
+    before: Mapping[int, tuple[str, float]],
+    after: Mapping[int, tuple[str, float]],
+) -> float:
+    """CPU seconds the transfer threads of ``pid`` spent between two
+    thread_cpu readings (a thread new since ``before`` from zero)."""
+    process_name = after.get(pid, before.get(pid, ("", 0.0)))[0]
+    return sum(
+        cpu - before.get(tid, (name, 0.0))[1]
+        for tid, (name, cpu) in after.items()
+        if is_transfer_thread(pid, tid, name, process_name)
+    )
+
+
+def engine_process(root: int) -> int | None:
+    """The process of ``root``'s tree that maps Mooncake's engine and has the
+    most threads (vLLM's worker; the API server may import the plugin too)."""
+    try:
+        tree = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    except psutil.Error:
+        return None
+    found = []
+    for proc in tree:
+        try:
+            maps = Path(f"/proc/{proc.pid}/maps").read_text()
+            if "mooncake" in maps and "engine" in maps:
+                found.append((proc.num_threads(), proc.pid))
+        except (OSError, psutil.Error):
+            continue
+    return max(found)[1] if found else None
+
+
+class Meter:
+    """Transfer-thread CPU of a set of processes between two readings."""
+
+    def __init__(self, pids: Mapping[str, int]) -> None:
+        self.pids = dict(pids)
+
+    def read(self) -> dict[str, dict[int, tuple[str, float]]]:
+        return {role: thread_cpu(pid) for role, pid in self.pids.items()}
+
+    def seconds(
+        self, before: Mapping[str, Any], after: Mapping[str, Any]
+    ) -> dict[str, float]:
+        return {
+            role: transfer_seconds(pid, before[role], after[role])
+            for role, pid in self.pids.items()
+        }
+
+    def names(
+        self, before: Mapping[str, Any], after: Mapping[str, Any]
+    ) -> dict[str, dict[str, float]]:
+        """Per role, CPU seconds per thread name (the main thread apart)."""
+        out = {}
+        for role, pid in self.pids.items():
+            main = {t: v for t, v in after[role].items() if t == pid}
+            rest = {t: v for t, v in after[role].items() if t != pid}
+            named = by_name(before[role], rest)
+            named["(main thread)"] = sum(by_name(before[role], main).values())
+            out[role] = named
+        return out
+
+    def idle_rate(self, seconds: float = IDLE_S) -> dict[str, float]:
+        """CPU seconds per second the transfer threads burn with nothing sent."""
+        before = self.read()
+        time.sleep(seconds)
+        used = self.seconds(before, self.read())
+        return {role: s / seconds for role, s in used.items()}
+
+
+# -- the requests ---------------------------------------------------------------------
+def ladder(max_model_len: int, quick: bool) -> list[int]:
+    """Prompt lengths from 128 tokens up, x2 (x8 quick), ending at the
+    longest prompt the stack takes with OUTPUT_TOKENS to generate."""
+    top = max_model_len - OUTPUT_TOKENS
+    lengths, n = [], 128
+    while n < top:
+        lengths.append(n)
+        n *= 8 if quick else 2
+    return [*lengths, top]
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    """Random token ids: distinct seeds share no cached prefix block."""
+    rng = random.Random(seed)
+    return [rng.randrange(*TOKEN_IDS) for _ in range(length)]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request alone: what prefill's counters and /proc saw."""
+
+    state: str
+    name: str  # fresh or fragmented
+    input_len: int
+    counters: dict[str, float]
+    cpu_s: dict[str, float]  # role -> transfer threads' CPU seconds
+    idle_s: dict[str, float]  # role -> the idle rate times the request's time
+    wall_s: float  # the decode leg's
+    # role -> thread name -> CPU seconds, every thread (what was left out).
+    threads: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> float:
+        return self.counters.get("bytes", 0.0)
+
+    @property
+    def descriptors(self) -> float:
+        return self.counters.get("descriptors", 0.0)
+
+    @property
+    def staged(self) -> bool:
+        return self.counters.get("gather_seconds", 0.0) > 0
+
+    def net_cpu_s(self) -> float:
+        """Both servers' transfer-thread CPU, their idle share taken out."""
+        return sum(self.cpu_s.values()) - sum(self.idle_s.values())
+
+
+def _post(url: str, body: Mapping[str, Any]) -> None:
+    answer = requests.post(
+        f"{url}/v1/completions",
+        json=body,
+        headers=client.headers(),
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    if answer.status_code != 200:
+        raise client.CompletionError(f"{url}: HTTP {answer.status_code}: {answer.text}")
+
+
+def one_request(
+    urls: Urls, engine: str, meter: Meter, idle: Mapping[str, float],
+    length: int, seed: int, state: str, name: str,
+) -> Sample:  # fmt: skip
+    bootstrap = router_capture.bootstrap_url(urls.prefill, urls.bootstrap_port)
+    body = client.greedy(prompt(length, seed), OUTPUT_TOKENS)
+    prefill_leg, decode_leg = router_capture.build_legs(body, engine, bootstrap)
+    _post(urls.prefill, prefill_leg)
+    before, cpu_before = kv_transfer.scrape(urls.prefill), meter.read()
+    start = time.monotonic()
+    _post(urls.decode, decode_leg)  # decode pulls the KV before answering
+    wall = time.monotonic() - start
+    cpu_after = meter.read()
+    counters = kv_transfer.settle_delta(urls.prefill, before, 1, SETTLE_S)
+    return Sample(state, name, length, counters, meter.seconds(cpu_before, cpu_after),
+                  {role: rate * wall for role, rate in idle.items()}, wall,
+                  meter.names(cpu_before, cpu_after))  # fmt: skip
+
+
+def burst(router: str, seed: int, quick: bool, max_len: int) -> int:
+    """Mixed prompt and output lengths, several at a time, finishing out of
+    order: both servers' free block lists end up shuffled. Returns how many
+    answered."""
+    rng = random.Random(seed)
+    count, width = (8, 4) if quick else (16, 8)
+    jobs = [
+        (prompt(rng.randrange(64, min(2048, max_len)), seed + i), rng.randrange(4, 48))
+        for i in range(count)
+    ]
+
+    def send(job: tuple[list[int], int]) -> bool:
+        try:
+            client.complete(router, job[0], job[1], REQUEST_TIMEOUT_S)
+        except (client.CompletionError, OSError):
+            return False
+        return True
+
+    with ThreadPoolExecutor(width) as pool:
+        return sum(pool.map(send, jobs))
+
+
+def measure_state(
+    state: str, urls: Urls, meter: Meter, lengths: Sequence[int],
+    quick: bool, seed: int, progress: Callable[[str], None],
+) -> tuple[list[Sample], dict[str, Any]]:  # fmt: skip
+    """One state on a stack just started: warm-up, fresh ladder, burst,
+    fragmented ladder."""
+    router = urls.router
+    engine = router_capture.engine_id(
+        router_capture.bootstrap_url(urls.prefill, urls.bootstrap_port)
+    )
+    # The warm-up opens Mooncake's connections (not counted).
+    client.complete(router, prompt(128, seed - 1), OUTPUT_TOKENS, REQUEST_TIMEOUT_S)
+    # Whether the KV checksum's digests are in the CPU figures.
+    checksum = m.scrape(urls.prefill).total(m.CHECKSUM_ENABLED)
+    samples, info = [], {"kv_checksum": bool(checksum)}
+    for index, name in enumerate(kv_path.PASSES):
+        if name == "fragmented":
+            answered = burst(router, seed + 500, quick, lengths[-1])
+            info["burst_answered"] = answered
+            progress(f"  transfer cost '{state}': burst, {answered} answered")
+        idle = meter.idle_rate()
+        info[f"idle_rate_{name}"] = idle
+        for i, n in enumerate(lengths):
+            sample = one_request(urls, engine, meter, idle, n,
+                                 seed + 100 * index + i, state, name)  # fmt: skip
+            samples.append(sample)
+            progress(
+                f"  transfer cost '{state}' {name} {n} tokens: "
+                f"{sample.descriptors:.0f} descriptors, {sample.nbytes / 2**20:.1f} "
+                f"MiB, transfer threads {sample.net_cpu_s() * 1e3:.0f} ms CPU net"
+            )
+    return samples, info
+
+
+# -- the engine alone ------------------------------------------------------------
+def engine_cpu(sizes: Iterable[int], least: int = ENGINE_BYTES) -> dict[int, float]:
+    """Per size, CPU seconds per byte that two loopback engines (every thread
+    of both processes) spend writing it in CHUNK_BYTES descriptors, as the
+    staged path submits a record. Both processes are spawned: neither is this
+    one."""
+    from bench.loopback import Endpoint, Peer
+
+    sizes = sorted(set(sizes))
+    top = max(sizes)
+    out = {}
+    with Peer(Endpoint, top) as receiver, Peer(Endpoint, top) as sender:
+        session, dst_base = receiver.call("address")
+        _, src_base = sender.call("address")
+        pids = {"sender": sender.proc.pid, "receiver": receiver.proc.pid}
+        whole = {role: pid for role, pid in pids.items()}
+
+        def read() -> dict[str, dict[int, tuple[str, float]]]:
+            return {role: thread_cpu(pid) for role, pid in whole.items()}
+
+        # Untimed, the largest once: the buffers' pages are touched (a first
+        # write's page faults are the allocator's, not the engine's).
+        if sender.call("write", session, *staging.chunks(src_base, dst_base, top)):
+            raise RuntimeError("engine alone: the warm-up write failed")
+        for size in sizes:
+            repeats = max(3, -(-least // size))
+            src, dst, lens = staging.chunks(src_base, dst_base, size)
+            before = read()
+            for _ in range(repeats):
+                if sender.call("write", session, src, dst, lens) != 0:
+                    raise RuntimeError(f"engine alone: a {size}-byte write failed")
+            after = read()
+            used = sum(
+                cpu - before[role].get(tid, ("", 0.0))[1]
+                for role in whole
+                for tid, (_, cpu) in after[role].items()
+            )
+            out[size] = used / (size * repeats)
+    return out
+
+
+# -- the run's JSON, the figures ----------------------------------------------------
+@dataclass
+class Result:
+    samples: list[Sample]
+    regions: int | None
+    engine_cpu_per_byte: dict[int, float]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def bound(self, nbytes: float) -> int | None:
+        """The most descriptors a request of ``nbytes`` may take."""
+        if self.regions is None:
+            return None
+        return math.ceil(nbytes / staging.CHUNK_BYTES) + self.regions
+
+    def over_bound(self, state: str = "staged") -> list[Sample]:
+        return [
+            s
+            for s in self.samples
+            if s.state == state
+            and (b := self.bound(s.nbytes)) is not None
+            and s.descriptors > b
+        ]
+
+    def engine_seconds(self, nbytes: float) -> float | None:
+        """The engine alone's CPU seconds for ``nbytes`` (its nearest size)."""
+        if not self.engine_cpu_per_byte or nbytes <= 0:
+            return None
+        size = min(self.engine_cpu_per_byte, key=lambda s: abs(math.log(s / nbytes)))
+        return self.engine_cpu_per_byte[size] * nbytes
+
+    def cpu_per_gib(self, state: str, name: str | None = None) -> dict[str, Any]:
+        """Over a state's requests (one pass, or all): transfer threads' CPU
+        per GiB moved (raw and net of idle) and the engine alone's for the
+        same bytes."""
+        chosen = [
+            s
+            for s in self.samples
+            if s.state == state and name in (None, s.name) and s.nbytes > 0
+        ]
+        gib = sum(s.nbytes for s in chosen) / GIB
+        engine = [self.engine_seconds(s.nbytes) for s in chosen]
+        if not chosen or not gib:
+            return {}
+        net = sum(s.net_cpu_s() for s in chosen) / gib
+        alone = sum(engine) / gib if None not in engine else None  # type: ignore[arg-type]
+        return {
+            "requests": len(chosen), "gib": gib,
+            "raw": sum(sum(s.cpu_s.values()) for s in chosen) / gib, "net": net,
+            "engine_alone": alone, "ratio": net / alone if alone else None,
+        }  # fmt: skip
+
+
+def to_json(result: Result) -> dict[str, Any]:
+    return {
+        "samples": [asdict(s) for s in result.samples],
+        "regions": result.regions,
+        "engine_cpu_per_byte": {
+            str(k): v for k, v in result.engine_cpu_per_byte.items()
+        },
+        "info": result.info,
+    }
+
+
+def read(run_dir: Path) -> Result | None:
+    data = read_json(run_dir / FILE)
+    if not data:
+        return None
+    return Result(
+        [Sample(**s) for s in data["samples"]],
+        data.get("regions"),
+        {int(k): float(v) for k, v in (data.get("engine_cpu_per_byte") or {}).items()},
+        data.get("info") or {},
+    )
+
+
+TITLE = "Transfer cost: descriptors and CPU per GiB (not 2-core figures)"
+HEAD = ("state", "pass", "prompt", "bytes", "descriptors", "bound", "within",
+        "prefill CPU ms", "decode CPU ms", "CPU-s / GiB net",
+        "engine alone")  # fmt: skip
+
+
+def markdown(result: Result) -> list[str]:
+    def cells(s: Sample) -> list[str]:
+        bound = result.bound(s.nbytes)
+        gib = s.nbytes / GIB
+        alone = result.engine_seconds(s.nbytes)
+        return [
+            s.state, s.name, str(s.input_len), f"{s.nbytes / 2**20:.1f} MiB",
+            fmt(s.descriptors, 0), "n/a" if bound is None else str(bound),
+            "n/a" if bound is None else ("yes" if s.descriptors <= bound else "NO"),
+            fmt(s.cpu_s.get("prefill", 0.0) * 1e3, 0),
+            fmt(s.cpu_s.get("decode", 0.0) * 1e3, 0),
+            fmt(s.net_cpu_s() / gib if gib else None, 2),
+            fmt(alone / gib if alone is not None and gib else None, 2),
+        ]  # fmt: skip
+
+    out = [
+        "One request at a time per prompt length, on a stack just started "
+        "(fresh) and after a burst of mixed requests (fragmented). Bound: "
+        f"ceil(bytes / {staging.CHUNK_BYTES >> 20} MiB) + one per KV region "
+        f"({result.regions} regions). CPU: the transfer threads of both "
+        "servers' worker processes (the unnamed threads but the main one), "
+        "from /proc/<pid>/task/*/stat, over the decode leg (decode's pull), "
+        "their idle rate before the pass taken out (net); engine alone: two "
+        "loopback engines writing the "
+        "same bytes in 1 MiB descriptors, every thread of both processes. "
+        "Descriptor counts do not depend on how busy the cores are; "
+        "CPU-seconds far less than wall clock (10 ms ticks; cache "
+        "contention), unlike the 2-core wall-clock shares elsewhere in "
+        "this report.",
+        "",
+        *table(HEAD, map(cells, result.samples)),
+        "",
+    ]
+    for state in kv_path.STATES:
+        for name in (*kv_path.PASSES, None):
+            if figures := result.cpu_per_gib(state, name):
+                out.append(
+                    f"- {state}, {name or 'all requests'}: {figures['requests']} "
+                    f"requests, {figures['gib']:.2f} GiB, transfer threads "
+                    f"{figures['net']:.2f} CPU-s/GiB net ({figures['raw']:.2f} raw), "
+                    f"engine alone {fmt(figures['engine_alone'], 2)}, ratio "
+                    f"{fmt(figures['ratio'], 2)}"
+                )
+    for state, data in result.info.items():
+        if isinstance(data, dict) and "kv_checksum" in data:
+            on = "on (its digests count)" if data["kv_checksum"] else "off"
+            out.append(f"- {state}: KV checksum {on}")
+    staged = [s for s in result.samples if s.state == "staged"]
+    if unstaged := [s for s in staged if not s.staged]:
+        out.append(f"- {len(unstaged)} request(s) of the 'staged' state went direct")
+    return out
+
+
+def write(run_dir: Path, result: Result) -> None:
+    (run_dir / FILE).write_text(json.dumps(to_json(result), indent=1))
+
+
+def summary(result: Result | None) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    return {
+        "regions": result.regions,
+        "requests": [
+            {"state": s.state, "pass": s.name, "input_len": s.input_len,
+             "bytes": s.nbytes, "descriptors": s.descriptors,
+             "bound": result.bound(s.nbytes), "staged": s.staged,
+             "cpu_s": s.cpu_s, "net_cpu_s": s.net_cpu_s()}
+            for s in result.samples
+        ],
+        "cpu_per_gib": {
+            state: {name or "all": result.cpu_per_gib(state, name)
+                    for name in (*kv_path.PASSES, None)}
+            for state in kv_path.STATES
+        },
+    }  # fmt: skip
