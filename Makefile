@@ -191,6 +191,14 @@ TP2_MODULES := e2e/test_tp_ranks.py
 test-tp2: install ## The twin at TP 2 on both roles: each rank's KV bytes, checksum and staging (~3 min)
 	PD_TENSOR_PARALLEL_SIZE=2 $(PY) -m pytest $(TP2_MODULES) $(PYTEST_ARGS)
 
+# The TP 2 twin's first burst on an empty inductor cache, timed, with stacks
+# and per-thread CPU saved on a stall (issue 28; docs/reliability.md, "TP 2
+# on 2 cores"). TP2_STALL_ARGS='--env TORCHDYNAMO_DISABLE=0': the control.
+.PHONY: tp2-stall-check
+tp2-stall-check: install ## The TP 2 twin's cold first burst, timed: exit 1 on a stall (~3 min)
+	PD_TENSOR_PARALLEL_SIZE=2 PYTHONPATH=.:plugin/src$${PYTHONPATH:+:$$PYTHONPATH} \
+	  $(PY) scripts/tp2_stall_check.py $(TP2_STALL_ARGS)
+
 .PHONY: test
 test: install lint ## Everything CI runs: unit tests, the e2e suite on the CPU twin, its answers again in bfloat16 and on the tiny-mtp profile
 	$(PY) -m pdstack.preflight
