@@ -193,7 +193,9 @@ test-tp2: install ## The twin at TP 2 on both roles: each rank's KV bytes, check
 
 # The TP 2 twin's first burst on an empty inductor cache, timed, with stacks
 # and per-thread CPU saved on a stall (issue 28; docs/reliability.md, "TP 2
-# on 2 cores"). TP2_STALL_ARGS='--env TORCHDYNAMO_DISABLE=0': the control.
+# on 2 cores"). Its controls: TP2_STALL_ARGS='--env TORCHDYNAMO_DISABLE=0'
+# (torch.compile back in the servers), TP2_STALL_ARGS=--unpin (both roles on
+# every CPU).
 .PHONY: tp2-stall-check
 tp2-stall-check: install ## The TP 2 twin's cold first burst, timed: exit 1 on a stall (~3 min)
 	PD_TENSOR_PARALLEL_SIZE=2 PYTHONPATH=.:plugin/src$${PYTHONPATH:+:$$PYTHONPATH} \

@@ -1,7 +1,8 @@
 """The TP 2 twin's first burst on a cold machine, timed (issue 28).
 
     PD_TENSOR_PARALLEL_SIZE=2 python scripts/tp2_stall_check.py [--rounds 3]
-    python scripts/tp2_stall_check.py --env TORCHDYNAMO_DISABLE=0   # the control
+    ... --env TORCHDYNAMO_DISABLE=0   # control: torch.compile in the servers
+    ... --unpin                       # control: both roles on every CPU
 
 Starts the twin (both roles at TP 2 unless PD_TENSOR_PARALLEL_SIZE says
 otherwise) with an empty inductor cache, as on a fresh CI machine, and sends
@@ -139,6 +140,19 @@ def capture(run_dir: Path, tag: str) -> Path:
     return dest
 
 
+def unpin(run_dir: Path) -> None:
+    """Every thread of both roles back on every CPU (new threads inherit it):
+    the twin as it ran before it kept the roles apart (pdstack.twin.role_cpus)."""
+    cpus = os.sched_getaffinity(0)
+    for procs in members(run_dir).values():
+        for proc in procs:
+            for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+                try:
+                    os.sched_setaffinity(int(task.name), cpus)
+                except OSError:
+                    continue
+
+
 def health_seconds(url: str) -> float | None:
     """Seconds decode took to answer /health; None: not within 10 s."""
     start = time.monotonic()
@@ -195,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="added to both servers' environment, over configs/targets/cpu.yaml's",
     )
+    parser.add_argument(
+        "--unpin",
+        action="store_true",
+        help="both roles on every CPU: the control of pdstack.twin.role_cpus",
+    )
     parser.add_argument("--warm", action="store_true", help="keep the inductor cache")
     parser.add_argument("--run-dir", type=Path, default=ROOT / "run" / "tp2-stall")
     opts = parser.parse_args(argv)
@@ -212,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     result: dict[str, Any] = {"env": env, "rounds": []}
     u = twin.up(run_dir=run_dir, role_env={"prefill": env, "decode": env})
+    if opts.unpin:
+        unpin(run_dir)
+    result["cpus"] = {
+        role: sorted(os.sched_getaffinity(procs[0].pid))
+        for role, procs in members(run_dir).items()
+        if procs
+    }
     stop = threading.Event()
     with (run_dir / "threads.jsonl").open("w") as out:
         sampler = threading.Thread(target=sample, args=(run_dir, out, stop))
