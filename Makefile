@@ -182,9 +182,12 @@ BF16_MODULES := e2e/test_correctness.py e2e/test_negative_controls.py \
 MTP_MODULES := e2e/test_correctness.py e2e/test_spec_decode.py
 # At tensor-parallel size 2 on both roles (each rank's KV, checksum and
 # staging on its own): the per-rank evidence (docs/gpu.md, "Tensor
-# parallelism"). Not in `make test`: four TP workers on 2 cores, and a run on
-# 2026-12-02 met a Mooncake TCP stall there (decode unanswering for 4 minutes
-# under the oracle's 16 calibration requests; passed in CI's run before it).
+# parallelism"). Not in `make test` (about 3 minutes of CI's budget). A run on
+# 2026-12-02 left decode unanswering for 4 minutes under the oracle's 16
+# calibration requests: torch.compile on a cold cache and prefill's busy waits
+# starving decode on 2 shared cores, both fixed (configs/targets/cpu.yaml,
+# pdstack.twin.role_cpus; docs/reliability.md, "TP 2 on 2 cores");
+# `make tp2-stall-check` times that burst.
 TP2_MODULES := e2e/test_tp_ranks.py
 
 .PHONY: test-tp2
