@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 from pdstack import config, supervisor, wait
@@ -31,6 +32,28 @@ def processes(
     return supervisor.Processes(run_dir, progress=progress)
 
 
+def role_cpus(role: str, profile: str, available: Collection[int]) -> list[int] | None:
+    """The CPUs ``role`` runs on: with both roles tensor-parallel, prefill on
+    the first half of ``available`` and decode on the rest, as on two hosts;
+    None (any CPU) at TP 1, for the router, and with a single CPU.
+
+    Why (issue 28): while prefill holds KV for decode's pulls its engine
+    steps continuously and its TP workers yield-spin on vLLM's shared-memory
+    queue; on 2 shared cores that took about 90% of both, and decode's TP
+    ranks, which meet in a yield-spinning all-reduce, and its Mooncake
+    threads got about 5% (a send stalled and was resent for 16 s, a first
+    burst took 60 s instead of 10). docs/reliability.md, "TP 2 on 2 cores".
+    """
+    if role not in config.ROLES or len(available) < 2:
+        return None
+    flags = config.with_env_overrides(config.vllm_flags(role, profile, "cpu"))
+    if int(flags.get("tensor-parallel-size", 1)) < 2:
+        return None
+    cpus = sorted(available)
+    half = len(cpus) // 2
+    return cpus[:half] if role == "prefill" else cpus[half:]
+
+
 def _launch(
     procs: supervisor.Processes,
     role: str,
@@ -44,6 +67,10 @@ def _launch(
     argv, role_env, deadline = supervisor.role_command(
         role, u, profile, HOST, router_extra or ()
     )
+    cpus = role_cpus(role, profile, os.sched_getaffinity(0))
+    if cpus:
+        # taskset execs the server: the same pid, its processes inherit the set.
+        argv = ["taskset", "--cpu-list", ",".join(map(str, cpus)), *argv]
     procs.launch(role, argv, {**role_env, **(env or {})}, getattr(u, role), again)
     return deadline
 
