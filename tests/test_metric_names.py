@@ -29,7 +29,9 @@ def test_settle_returns_the_first_delta_done_or_the_last_one_seen(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     scraped = iter(range(100))
-    monkeypatch.setattr(m, "scrape", lambda _url: snapshot(next(scraped)))
+    monkeypatch.setattr(
+        m, "scrape", lambda _url, _timeout=10.0: snapshot(next(scraped))
+    )
     before = snapshot(0)
     done = m.settle("http://x", before, lambda d: d.total(m.TRANSFERS) >= 3, 5.0, 0.01)
     assert done.total(m.TRANSFERS) == 3
