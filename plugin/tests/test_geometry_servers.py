@@ -2,8 +2,7 @@
 
 One prefill of the tiny profile (MLA target, Eagle3 GQA draft, 16-token
 blocks, float32 on the CPU), and per case a decode started with one flag
-changed: without the draft, with bfloat16 KV, at tensor-parallel 2 (the
-draft's heads split there, whole on prefill), and asked for 32-token blocks
+changed: without the draft, with bfloat16 KV, and asked for 32-token blocks
 (which the CPU MLA backend overrides: see CASES). Each
 request goes as vllm-router sends it (prefill leg with max_tokens 1, then
 decode leg with prefill's transfer parameters), straight to the servers.
@@ -64,9 +63,6 @@ def _swap(argv: list[str], flag: str, value: str | None) -> list[str]:
     return out
 
 
-TP2 = ["--tensor-parallel-size", "2"]
-
-
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -85,15 +81,6 @@ CASES = [
         "kv_dtype_bfloat16",
         lambda a: _swap(a, "--dtype", "bfloat16"),
         ("KV dtype", geometry.FLAG_KV_DTYPE),
-    ),
-    # A pair pd_mooncake.tp_pairs refuses: the Eagle3 draft's two GQA heads
-    # are whole on prefill's one rank and split on decode's two, which
-    # upstream's connector (an MLA model: every layer copied whole) cannot
-    # honour.
-    Case(
-        "decode_tp2_split_draft",
-        lambda a: [*_swap(a, "--tensor-parallel-size", None), *TP2],
-        ("bytes per block", geometry.FLAG_TP),
     ),
 ]
 # Different block sizes cannot be served on the CPU twin: vLLM's CPU MLA
