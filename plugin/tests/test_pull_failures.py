@@ -136,12 +136,20 @@ def step(scheduler: Any, worker: PDMooncakeConnectorWorker) -> Any:
     """One engine step: schedule, "run" (one sampled token per scheduled
     request), and hand the worker's transfer results back, as vLLM's model
     runner does (kv_connector_model_runner_mixin)."""
+    finished = worker.finished_recving_reqs
+    worker.finished_recving_reqs = set()
+    return step_reporting(scheduler, worker, finished)
+
+
+def step_reporting(
+    scheduler: Any, worker: PDMooncakeConnectorWorker, finished: set[str]
+) -> Any:
+    """One engine step with ``finished`` as the requests the worker reports
+    received (and its load errors)."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     out = scheduler.schedule()
     ids = list(out.num_scheduled_tokens)
-    finished = worker.finished_recving_reqs
-    worker.finished_recving_reqs = set()
     result = ModelRunnerOutput(
         req_ids=ids,
         req_id_to_index={r: i for i, r in enumerate(ids)},
