@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,6 +29,7 @@ from test_pull_failures import (
     decode_worker,
     pulls_from,
     remote_request,
+    step_reporting,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
@@ -44,22 +46,8 @@ HOLD = late_writes.DecodeHold(
 async def step(scheduler: Any, worker: PDMooncakeConnectorWorker) -> Any:
     """One engine step, the worker's reports taken as get_finished takes them
     (fetch_finished_recving_reqs, on the loop the pulls run on)."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-    out = scheduler.schedule()
-    ids = list(out.num_scheduled_tokens)
     finished = await worker.fetch_finished_recving_reqs()
-    result = ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[7] for _ in ids],
-        kv_connector_output=KVConnectorOutput(
-            finished_recving=finished or None,
-            invalid_block_ids=worker.get_block_ids_with_load_errors(),
-        ),
-    )
-    scheduler.update_from_output(out, result)
-    return out
+    return step_reporting(scheduler, worker, finished)
 
 
 def free_blocks(scheduler: Any) -> int:
@@ -93,6 +81,22 @@ async def failed_direct_pull(
     return request, allocated
 
 
+async def step_through_hold(
+    scheduler: Any,
+    worker: PDMooncakeConnectorWorker,
+    ended: float,
+    during: Callable[[], None],
+) -> None:
+    """Engine steps until the hold (from ``ended``) is nearly over, ``during``
+    checked after each; then one step once it has passed."""
+    while time.monotonic() - ended < HOLD.span_hold_s - 0.1:
+        await step(scheduler, worker)
+        during()
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(max(0.0, ended + HOLD.span_hold_s - time.monotonic()))
+    await step(scheduler, worker)
+
+
 def run(scenario: Any, worker: PDMooncakeConnectorWorker) -> None:
     try:
         asyncio.run(asyncio.wait_for(scenario(), 3 * DEADLINE_S))
@@ -119,12 +123,11 @@ def test_a_failed_direct_pull_keeps_its_blocks_until_the_hold_has_passed() -> No
         assert request.status == RequestStatus.FINISHED_ERROR
         # ... and its blocks are not in the free pool, through the hold.
         assert free_blocks(scheduler) == total - allocated
-        while time.monotonic() - ended < HOLD.span_hold_s - 0.1:
-            await step(scheduler, worker)
+
+        def held() -> None:
             assert free_blocks(scheduler) == total - allocated
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(max(0.0, ended + HOLD.span_hold_s - time.monotonic()))
-        await step(scheduler, worker)
+
+        await step_through_hold(scheduler, worker, ended, held)
         assert free_blocks(scheduler) == total
         assert "req-0" not in scheduler.requests
         assert len(worker.block_holds) == 0
@@ -151,13 +154,12 @@ def test_under_recompute_the_request_waits_out_the_hold() -> None:
         total = free_blocks(scheduler)
         request, allocated = await failed_direct_pull(scheduler, worker)
         ended = time.monotonic()
-        while time.monotonic() - ended < HOLD.span_hold_s - 0.1:
-            await step(scheduler, worker)
+
+        def waiting() -> None:
             assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             assert free_blocks(scheduler) == total - allocated
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(max(0.0, ended + HOLD.span_hold_s - time.monotonic()))
-        await step(scheduler, worker)
+
+        await step_through_hold(scheduler, worker, ended, waiting)
         await step(scheduler, worker)
         assert request.status == RequestStatus.RUNNING
         assert len(worker.block_holds) == 0
