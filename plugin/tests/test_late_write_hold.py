@@ -4,6 +4,7 @@ timeouts derived and their order checked at start-up."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -58,7 +59,8 @@ def test_a_failed_pulls_span_is_held_for_the_derived_hold() -> None:
     )
     size = worker._arena.size
     offer = staging.Offer(worker._arena.reserve(size), size, 0)
-    worker._staging_close(offer, loaded=False)
+    # Unanswered: its one request got no answer.
+    worker._staging_close(offer, {"r": SimpleNamespace(local_block_ids=[[1]])})
     assert worker._arena.reserve(size) is None
     time.sleep(0.35)
     assert worker._arena.reserve(size) == 0

@@ -64,7 +64,8 @@ def direct_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
 
 class RecordingSideChannel:
     """Prefill's side channel: records the pull it receives and answers it
-    FINISH with every request sent."""
+    FINISH with every request done, having sent nothing (as a prefill rank
+    that upstream's plan gives no bytes answers a staged pull)."""
 
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
@@ -81,6 +82,7 @@ class RecordingSideChannel:
             answer = wire.XferResponse(
                 status=wire.upstream.MooncakeXferResponseStatus.FINISH,
                 ok_reqs=list(pull.req_blocks),
+                pd_staging_empty=pull.pd_staging is not None,
             )
             await self.sock.send_multipart(
                 [identity, msgspec.msgpack.Encoder().encode(answer)]

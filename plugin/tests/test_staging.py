@@ -66,7 +66,7 @@ def _send_through_staging(scramble: bool) -> tuple[torch.Tensor, torch.Tensor, l
     prefill, decode = _worker(prefill_kv), _worker(decode_kv)
     blocks = random.Random(3).sample(range(64), 20)
     mine = random.Random(4).sample(range(64), 20)
-    pull = {"r": SimpleNamespace(local_block_ids=[mine])}
+    pull = {"r": SimpleNamespace(local_block_ids=[mine], failed=False)}
     offer = decode._staging_reserve(pull)
     assert offer is not None
     p, d = prefill_kv.data_ptr(), decode_kv.data_ptr()
@@ -84,22 +84,19 @@ def _send_through_staging(scramble: bool) -> tuple[torch.Tensor, torch.Tensor, l
     answer = SimpleNamespace(ok_reqs=["r"])
     answer.__dict__.update(staging_worker._answer_fields(answer))
     staging.OFFER.set(offer)
-    decode._staging_scatter(answer)
+    decode._staging_scatter(answer, pull)
     return (
         prefill_kv.view(64, BLOCK)[blocks],
         decode_kv.view(64, BLOCK)[mine],
-        [
-            prefill,
-            decode,
-            offer,
-        ],
+        [prefill, decode, offer, pull],
     )
 
 
 def test_a_staged_send_lands_in_decode_blocks_in_order() -> None:
-    sent, landed, (prefill, decode, offer) = _send_through_staging(scramble=False)
+    sent, landed, (prefill, decode, offer, pull) = _send_through_staging(False)
     assert torch.equal(sent, landed)
-    decode._staging_close(offer, loaded=True)
+    assert offer.answered == {"r"}
+    decode._staging_close(offer, pull)
     assert decode._arena.held() == 0
     assert prefill._arena.reserve(prefill.staging_bytes) == 0  # all given back
 
@@ -109,13 +106,13 @@ def test_a_record_naming_memory_outside_the_caches_is_refused() -> None:
         _send_through_staging(scramble=True)
 
 
-def test_a_failed_or_resent_pull_holds_its_span_back() -> None:
+def test_a_failed_resent_or_unanswered_pull_holds_its_span_back() -> None:
     decode = _worker(torch.zeros(64 * BLOCK, dtype=torch.uint8))
     pull = {"r": SimpleNamespace(local_block_ids=[[1, 2, 3]])}
-    for loaded, clean in ((False, True), (True, False)):
+    for answered, clean in ((set(), True), ({"r"}, False)):
         offer = decode._staging_reserve(pull)
-        offer.clean = clean
-        decode._staging_close(offer, loaded)
+        offer.answered, offer.clean = answered, clean
+        decode._staging_close(offer, pull)
         assert decode._arena.held() >= offer.nbytes
     assert decode._arena.held() == 2 * staging.aligned(offer.nbytes)
 

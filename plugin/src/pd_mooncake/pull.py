@@ -115,7 +115,6 @@ class PullWorker:
 
     async def _pull_staged(self, worker_addr: str, pull_metas: dict) -> None:
         """One pull through one span (or directly, staging off)."""
-        staging.OFFER.set(None)
         try:
             offer = await self._staging_offer(pull_metas)
         except staging.NoRoomError as exc:
@@ -123,20 +122,7 @@ class PullWorker:
             if not pull_metas:
                 return
             offer = None
-        staging.OFFER.set(offer)
-        settling = SETTLING.set(_Settling())
-        try:
-            await self._pull_while_alive(worker_addr, pull_metas)
-        finally:
-            SETTLING.reset(settling)
-            loaded = all(_loaded(m) for m in pull_metas.values())
-            self._staging_close(offer, loaded)
-            if offer is None:
-                # The hold runs from the pull's end (late_writes): a request
-                # failed while this peer's pull still ran, or failed by
-                # another peer of a split pull, is held from this end too.
-                held = [r for r in pull_metas if r in self.block_holds]
-                self.block_holds.hold(held, self.staging_hold.span_hold_s)
+        await self._pull_through(worker_addr, pull_metas, offer)
 
     async def _pull_chunked(self, worker_addr: str, pull_metas: dict) -> None:
         """One request longer than one span, as sub-pulls of upstream's
@@ -155,34 +141,52 @@ class PullWorker:
         whole = self._whole_groups(len(meta.local_block_ids))
         for chunk in chunks:
             blocks = self._chunk_blocks(meta.local_block_ids, chunk, whole)
-            staging.OFFER.set(None)
             try:
                 offer = await self._staging_room(self._groups_need([blocks]))
             except staging.NoRoomError as exc:
                 self._fail_unstaged(pull_metas, exc)
                 return
-            staging.OFFER.set(offer)
-            token = staging.CHUNK.set(chunk)
-            settling = SETTLING.set(_Settling())
-            try:
-                await self._pull_while_alive(worker_addr, pull_metas)
-            finally:
-                SETTLING.reset(settling)
-                staging.CHUNK.reset(token)
-                done = _loaded(meta) if chunk.last else chunk.landed
-                self._staging_close(offer, done)
+            await self._pull_through(worker_addr, pull_metas, offer, chunk)
             if meta.failed or chunk.last:
                 return
-            if not chunk.landed:
-                # Answered without a record of it (a prefill that ignored the
-                # chunk, or an error upstream did not name the request in).
+            if req_id not in offer.answered:
+                # Answered without naming it (an error upstream did not name
+                # the request in): the next chunk would leave a gap.
                 self._handle_failed_recv(
                     dict(pull_metas),
                     [req_id],
-                    f"KV staging: no record of blocks {chunk.start}-{chunk.stop} "
-                    "in prefill's answer",
+                    f"KV staging: no answer for blocks {chunk.start}-{chunk.stop} "
+                    "from prefill",
                 )
                 return
+
+    async def _pull_through(
+        self,
+        worker_addr: str,
+        pull_metas: dict,
+        offer: staging.Offer | None,
+        chunk: staging.Chunk | None = None,
+    ) -> None:
+        """Upstream's pull (kept alive: ``_pull_while_alive``) with ``offer``
+        as its span and ``chunk`` as its run of blocks; then the span back or
+        held (``_staging_close``), or without a span the failed requests'
+        blocks held from the pull's end."""
+        offer_token = staging.OFFER.set(offer)
+        chunk_token = staging.CHUNK.set(chunk)
+        settling = SETTLING.set(_Settling())
+        try:
+            await self._pull_while_alive(worker_addr, pull_metas)
+        finally:
+            SETTLING.reset(settling)
+            staging.CHUNK.reset(chunk_token)
+            staging.OFFER.reset(offer_token)
+            self._staging_close(offer, pull_metas)
+            if offer is None:
+                # The hold runs from the pull's end (late_writes): a request
+                # failed while this peer's pull still ran, or failed by
+                # another peer of a split pull, is held from this end too.
+                held = [r for r in pull_metas if r in self.block_holds]
+                self.block_holds.hold(held, self.staging_hold.span_hold_s)
 
     def _fail_unstaged(self, pull_metas: dict, exc: Exception) -> dict:
         """A pull staging cannot take: its requests with blocks fail, unsent.
@@ -294,7 +298,7 @@ class PullWorker:
         _settling_from(pull_metas)
         self._geometry_answered(response)
         try:
-            self._staging_scatter(response)
+            self._staging_scatter(response, pull_metas)
         except ValueError as exc:
             failed, response.ok_reqs = response.ok_reqs, None
             self._handle_failed_recv(pull_metas, failed, str(exc))

@@ -165,8 +165,15 @@ class Offer:
     nbytes: int
     address: int
     nonce: int = field(default_factory=lambda: secrets.randbits(63))
-    # No failure and no resend: the span may be reused at once.
+    # No failure and no resend: the span may be reused at once once every
+    # request of the pull is in ``answered``.
     clean: bool = True
+    # The requests this peer's answers named done: their record scattered,
+    # or nothing of theirs sent by this peer (``pd_staging_empty``). Prefill
+    # answers after its writes settled (stall_guard.write), so an answered
+    # request has no write left to land, whatever another peer of a split
+    # pull still owes.
+    answered: set[str] = field(default_factory=set)
 
     @property
     def wire(self) -> list[int]:
@@ -184,6 +191,9 @@ class Target:
     cursor: int = 0
     # The offset of the record the next answer announces.
     record: int | None = None
+    # Whether a send (staged or not) ran since the last answer: an answer
+    # without a record and without a send tells decode nothing was written.
+    sent: bool = False
     # A staged send resent descriptors or failed: told to decode in the answer.
     unsettled: bool = False
 
@@ -259,8 +269,6 @@ class Chunk:
     start: int
     stop: int
     last: bool
-    # Decode: prefill answered this chunk's record (scattered into the blocks).
-    landed: bool = False
 
     @property
     def wire(self) -> dict[str, list[int]]:

@@ -278,17 +278,40 @@ class StagingWorker:
             logger.info("PD Mooncake: a pull waited %.2fs for staging room", waited)
         return offer
 
-    def _staging_scatter(self, response: Any) -> None:
+    def _staging_scatter(self, response: Any, pull_metas: dict) -> None:
         """Before the answered requests are checked and reported received:
-        their KV from the record the answer names into their blocks."""
+        their KV from the record the answer names into their blocks, and
+        the requests noted answered on the offer. Raises ValueError (the
+        answered requests fail) where the record cannot be trusted or must
+        not land: none at all (prefill wrote directly), or a request of it
+        already failed by another peer of a split pull (its blocks may be
+        another request's by now)."""
         offer = staging.OFFER.get()
         if offer is None or self._kv_memory is None or self._staging_memory is None:
             return
         if getattr(response, "pd_staging_unsettled", False):
             offer.clean = False
+        if not response.ok_reqs:
+            return
         record = getattr(response, "pd_staging_record", None)
-        if record is None or not response.ok_reqs:
-            return  # prefill sent these directly
+        if record is None:
+            if not getattr(response, "pd_staging_empty", False):
+                raise ValueError(
+                    "KV staging: prefill answered a staged pull with no record: "
+                    "it wrote into the KV blocks directly, without the "
+                    f"late-write protection (its {staging.KEY} is 0, or it is "
+                    f"not PDMooncakeConnector); set {staging.KEY} alike on both "
+                    "roles"
+                )
+            offer.answered.update(response.ok_reqs)
+            return
+        answered = [pull_metas.get(r) for r in response.ok_reqs]
+        if gone := [m.d_req_id for m in answered if m is not None and m.failed]:
+            raise ValueError(
+                f"KV staging: record not scattered: {gone} already failed (by "
+                "another prefill worker of this pull) and their blocks may be "
+                "reused"
+            )
         buffer = self._staging_memory
         start = time.monotonic()
         at = offer.address + record
@@ -310,19 +333,23 @@ class StagingWorker:
         # The host waited for the scatter (only): the checksum and the next
         # forward read these blocks.
         self.xfer_stats.record_staging("scatter", time.monotonic() - start)
-        if (chunk := staging.CHUNK.get()) is not None:
-            chunk.landed = chunk.req_id in response.ok_reqs
+        offer.answered.update(response.ok_reqs)
 
-    def _staging_close(self, offer: staging.Offer | None, loaded: bool) -> None:
-        """The pull is over: its span back, or held back if a write to it may
-        still land."""
+    def _staging_close(self, offer: staging.Offer | None, pull_metas: dict) -> None:
+        """This peer's pull is over: its span back, or held back if a write
+        to it may still land: the pull failed, prefill resent, or a request
+        with blocks got no answer from this peer (a split pull's other peers
+        do not count: each writes only into its own span)."""
         if offer is None or self._arena is None:
             return
-        hold = 0.0 if loaded and offer.clean else self.staging_hold.span_hold_s
+        owed = [r for r, m in pull_metas.items() if any(m.local_block_ids)]
+        settled = offer.clean and offer.answered.issuperset(owed)
+        hold = 0.0 if settled else self.staging_hold.span_hold_s
         if hold:
             logger.warning(
                 "PD Mooncake: KV staging span of %d bytes held back for %.0fs "
-                "(its pull failed or prefill resent: a write may still land)",
+                "(its pull failed, was unanswered or prefill resent: a write "
+                "may still land)",
                 offer.nbytes,
                 hold,
             )
@@ -420,6 +447,8 @@ class StagingWorker:
         room for it while ``may_wait(now)`` (and ``room_wait_s``) allows."""
         target = staging.TARGET.get()
         kv, buffer = self._kv_memory, self._staging_memory
+        if target is not None:
+            target.sent = True
         if target is None or self._arena is None or kv is None or buffer is None:
             return None
         size = staging.record_bytes(lengths)
@@ -504,15 +533,21 @@ def _abort_timeout_s() -> float:
 
 
 def _answer_fields(answer: Any) -> dict[str, Any]:
-    """The record this answer's requests are in, and whether a write to the
-    span may still land (prefill)."""
+    """The record this answer's requests are in (or that this worker sent
+    nothing of them), and whether a write to the span may still land
+    (prefill)."""
     target = staging.TARGET.get()
     if target is None:
         return {}
     fields: dict[str, Any] = {}
     if target.record is not None and answer.ok_reqs:
         fields["pd_staging_record"] = target.record
-    target.record = None
+    elif answer.ok_reqs and not target.sent:
+        # No send for these (upstream's send_kv_to_decode sends only when
+        # its plan has descriptors): decode must tell this from a prefill
+        # that ignored its span and wrote directly.
+        fields["pd_staging_empty"] = True
+    target.record, target.sent = None, False
     if target.unsettled:
         fields["pd_staging_unsettled"] = True
     return fields

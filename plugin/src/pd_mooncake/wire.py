@@ -44,8 +44,12 @@ class XferResponse(upstream.MooncakeXferResponse, omit_defaults=True):
     pd_kv_regions: list[str] | None = None
     pd_staging_unsettled: bool = False
     # Offset in decode's span of the record holding ``ok_reqs``' KV (absent:
-    # sent directly into the blocks).
+    # sent directly into the blocks, unless ``pd_staging_empty``).
     pd_staging_record: int | None = None
+    # A staged pull's ``ok_reqs`` needed no bytes from this prefill worker
+    # (upstream's planner has another rank send them: a split pull, e.g. an
+    # MLA latent from prefill TP 2 to decode TP 1): nothing was written.
+    pd_staging_empty: bool = False
     # Prefill's KV geometry, in its first answer to a decode worker.
     pd_geometry: dict[str, Any] | None = None
 
