@@ -372,7 +372,8 @@ class PDMooncakeConnectorWorker(
 
     async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any) -> None:
         # Before upstream's own checks, whose errors name no flag (geometry).
-        if (refusal := self._geometry_refusal(meta)) is not None:
+        refusal = self._geometry_refusal(meta) or self._staging_refusal(meta)
+        if refusal is not None:
             await self._refuse_pull(identity, sock, refusal, meta)
             return
         # A rejection notice names the API request: free its siblings too,

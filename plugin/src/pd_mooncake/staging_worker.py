@@ -356,6 +356,26 @@ class StagingWorker:
         self._arena.release(offer.offset, offer.nbytes, hold)
 
     # prefill ------------------------------------------------------------------
+    _staging_refused = False
+
+    def _staging_refusal(self, meta: Any) -> str | None:
+        """Why this prefill refuses a pull (None: it proceeds): decode offered
+        a span and staging is off here, so the send would go into decode's
+        KV blocks directly, without the late-write protection decode relies
+        on (late_writes). Logged once."""
+        if getattr(meta, "pd_staging", None) is None or self._arena is not None:
+            return None
+        reason = (
+            f"KV staging: decode offered a staging span and this prefill's "
+            f"{staging.KEY} is 0: it would write into decode's KV blocks "
+            f"directly, without the late-write protection; set {staging.KEY} "
+            "alike on both roles (configs/vllm)"
+        )
+        if not self._staging_refused:
+            self._staging_refused = True
+            logger.error("PD Mooncake: refusing pulls: %s", reason)
+        return reason
+
     async def _build_transfer_params(
         self,
         ready_reqs: list,
