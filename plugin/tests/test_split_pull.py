@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
 )
 
 from pd_mooncake import send_deadline
+from pd_mooncake.staging_worker import StagingWorker
 
 D_REQ = "d-req"
 PREFILL_TP = 2
@@ -65,9 +66,12 @@ def prefill_rank(rank: int, caches: dict[str, torch.Tensor]) -> Any:
     return w
 
 
-def run_split(chunk_bytes: int | None, first: int) -> dict[str, Any]:
+def run_split(
+    chunk_bytes: int | None, first: int, refusing: int | None = None
+) -> dict[str, Any]:
     """Decode pulls from both prefill ranks at once; ``first``: the rank
-    whose answer decode reads first (the other's serving waits for it)."""
+    whose answer decode reads first (the other's serving waits for it);
+    ``refusing``: a rank that refuses the pull (its answer an error)."""
     generator = torch.Generator().manual_seed(5)
     sent = [
         {n: torch.randn(s, generator=generator) for n, s in SHAPES.items()}
@@ -75,6 +79,8 @@ def run_split(chunk_bytes: int | None, first: int) -> dict[str, Any]:
     ]
     received = {n: torch.zeros(s) for n, s in SHAPES.items()}
     prefills = [prefill_rank(r, c) for r, c in enumerate(sent)]
+    if refusing is not None:
+        prefills[refusing]._staging_refusal = lambda meta: "scripted: refused"
     decode = worker(received, consumer=True)
     decode.kv_checksum = False
     decode.geometry = None
@@ -180,3 +186,43 @@ def test_a_split_pull_lands_once_and_holds_no_span(
     assert decode._arena.held() == 0
     for prefill in run["prefills"]:
         assert prefill.finished_sending_reqs == {P_REQ}
+
+
+@pytest.fixture
+def one_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(test_chunked_pull, "STAGING_MIB", LAYOUTS["one span"][1])
+
+
+@pytest.mark.usefixtures("one_span")
+def test_a_record_is_not_scattered_for_a_request_another_rank_failed() -> None:
+    """Rank 1 refuses first (decode fails the request, and vLLM may give its
+    blocks to another request at once); rank 0's record then arrives: it
+    must not be scattered into those blocks."""
+    run = run_split(None, first=1, refusing=1)
+    touched = sum(int(torch.count_nonzero(t)) for t in run["received"].values())
+    print(f"failed={run['meta'].failed}; {touched} nonzero values in decode's KV")
+    assert run["writes"][0]  # rank 0 still wrote its record into its span
+    assert run["meta"].failed
+    assert touched == 0
+
+
+@pytest.mark.usefixtures("one_span")
+def test_negative_control_without_the_check_the_record_lands_in_failed_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scatter = StagingWorker._staging_scatter
+
+    def unchecked(self: Any, response: Any, pull_metas: dict) -> None:
+        failed = [m for m in pull_metas.values() if m.failed]
+        for meta in failed:
+            meta.failed = False
+        try:
+            scatter(self, response, pull_metas)
+        finally:
+            for meta in failed:
+                meta.failed = True
+
+    monkeypatch.setattr(StagingWorker, "_staging_scatter", unchecked)
+    run = run_split(None, first=1, refusing=1)
+    assert run["meta"].failed
+    assert landed_wrong(run) == []  # all of rank 0's KV, in the failed blocks
