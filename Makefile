@@ -194,20 +194,24 @@ TP2_MODULES := e2e/test_tp_ranks.py
 test-tp2: install ## The twin at TP 2 on both roles: each rank's KV bytes, checksum and staging (~3 min)
 	PD_TENSOR_PARALLEL_SIZE=2 $(PY) -m pytest $(TP2_MODULES) $(PYTEST_ARGS)
 
-# Different widths on the two roles (llm-d's layout: prefill narrower than
-# decode), where pd_mooncake.tp_pairs says they serve: the tiny-mtp profile
-# (every layer MLA, copied whole rank to rank), the KV checksum off (it needs
-# the same width). Exact against the reference, one transfer per decode rank
-# of the bytes its layout predicts. Prefill wider (2 -> 1) is not here: each
-# request's pull is then split over two prefill ranks, and the first rank's
-# span is held back as if failed (issue 26 item 5): after ~20 requests the
-# buffer is held and pulls fail for room (measured 2026-12-02).
+# Different widths on the two roles, where pd_mooncake.tp_pairs says they
+# serve: the tiny-mtp profile (every layer MLA, copied whole rank to rank),
+# the KV checksum off (it needs the same width). Prefill narrower than decode
+# (llm-d's layout): one transfer per decode rank. Prefill wider: each pull is
+# split over the prefill ranks, rank 0 sends the latent, rank 1 answers with
+# nothing (pd_mooncake.pull: neither span held). Each exact against the
+# reference, with the bytes its layout predicts.
 TP_PAIR_MODULES := e2e/test_correctness.py e2e/test_transfer_evidence.py e2e/test_tp_ranks.py
 TP_PAIR_ENV := PD_PROFILE=tiny-mtp PD_MOONCAKE_KV_CHECKSUM=0
+TP_PAIRS := 1:2 2:1
 
 .PHONY: test-tp-pairs
-test-tp-pairs: install ## The twin at prefill TP 1 -> decode TP 2 (tiny-mtp): exact, each decode rank's KV bytes (~6 min)
-	$(TP_PAIR_ENV) PD_PREFILL_TENSOR_PARALLEL_SIZE=1 PD_DECODE_TENSOR_PARALLEL_SIZE=2 $(PY) -m pytest $(TP_PAIR_MODULES) $(PYTEST_ARGS)
+test-tp-pairs: install ## The twin at prefill TP 1 -> decode TP 2 and 2 -> 1 (tiny-mtp): exact, each rank's KV bytes (~12 min)
+	for pair in $(TP_PAIRS); do \
+	  echo "=== prefill TP $${pair%:*} -> decode TP $${pair#*:}"; \
+	  $(TP_PAIR_ENV) PD_PREFILL_TENSOR_PARALLEL_SIZE=$${pair%:*} PD_DECODE_TENSOR_PARALLEL_SIZE=$${pair#*:} \
+	    $(PY) -m pytest $(TP_PAIR_MODULES) $(PYTEST_ARGS); \
+	done
 
 # `make test-chunked`: the twin with a 2 MiB KV staging buffer, so that a
 # 2100-token prompt crosses staging in chunks (issue 26; one twin boot).
