@@ -27,6 +27,13 @@ def check(result: Any, flags: Mapping[str, Any], kernel: int) -> None:
         r["bytes_per_block"] for r in result.regions for _ in range(r["layers"])
     ]
     result.chunk_tokens = staging.chunk_blocks(capacity, block_bytes) * kernel
+    if device_memory(extra or {}):
+        result.notes.append(
+            f"the {capacity >> 20} MiB KV staging buffer (`{staging.KEY}`) is "
+            "device memory outside gpu-memory-utilization's (mooncake_protocol "
+            f"rdma): lower that by {capacity >> 20} MiB over the GPU's memory "
+            "(docs/gpu.md, 'KV staging memory')"
+        )
     if not result.chunk_tokens:
         need = staging.span_bound([1], block_bytes)
         result.problems.append(
@@ -34,3 +41,10 @@ def check(result: Any, flags: Mapping[str, Any], kernel: int) -> None:
             f"configs/vllm) holds no whole KV block ({need} bytes on each "
             "rank): every pull would fail; raise it, or set it to 0"
         )
+
+
+def device_memory(extra: Mapping[str, Any]) -> bool:
+    """Whether the plugin puts the staging buffer in the GPU's memory
+    (pd_mooncake.device_copy.staging_home: over RDMA; over TCP it is pinned
+    host memory). Upstream's default protocol is rdma."""
+    return extra.get("mooncake_protocol", "rdma") != "tcp"

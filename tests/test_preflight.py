@@ -232,12 +232,25 @@ def test_hub_profile_with_given_configs_is_checked() -> None:
         assert c.regions[0]["layers"] == 61
 
 
-def _kimi(staging_mib: int | None = None) -> list[preflight.Check]:
+def _kimi(staging_mib: int | None = None, **extra: Any) -> list[preflight.Check]:
     overrides = {}
     if staging_mib is not None:
-        extra = {**KIMI_KV["kv_connector_extra_config"], staging.KEY: staging_mib}
+        extra[staging.KEY] = staging_mib
+    if extra:
+        extra = {**KIMI_KV["kv_connector_extra_config"], **extra}
         overrides["kv-transfer-config"] = KIMI_KV | {"kv_connector_extra_config": extra}
     return preflight.run(["kimi-k2.5"], SM90, ("decode",), overrides, **KIMI)
+
+
+def test_a_staging_buffer_in_device_memory_says_what_to_lower() -> None:
+    """Over RDMA the buffer is device memory vLLM did not budget for; over
+    TCP (configs/vllm) pinned host memory, and no note."""
+    (rdma,) = _kimi(mooncake_protocol="rdma")
+    (note,) = [n for n in rdma.notes if staging.KEY in n]
+    assert "256 MiB" in note and "gpu-memory-utilization" in note
+    (tcp,) = _kimi()
+    assert KIMI_KV["kv_connector_extra_config"]["mooncake_protocol"] == "tcp"
+    assert not [n for n in tcp.notes if staging.KEY in n]
 
 
 def test_the_staging_buffer_names_the_tokens_one_chunk_carries() -> None:
