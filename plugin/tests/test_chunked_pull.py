@@ -118,6 +118,40 @@ def worker(caches: dict[str, torch.Tensor], *, consumer: bool) -> Any:
     return w
 
 
+async def prefill_ready(prefill: Any, blocks: list[int]) -> None:
+    """Prefill's request P_REQ ready to send ``blocks`` (both groups), its
+    sends on the running loop."""
+    prefill.sender_loop = asyncio.get_running_loop()
+    # The plugin's pool (connector._bound_sends): the pull's context, and
+    # with it decode's span, travels with each send.
+    prefill._sender_executor = send_deadline.SessionExecutor(1)
+    for groups in ([], [blocks, blocks]):
+        notice = upstream.MooncakeConnectorMetadata()
+        notice.reqs_to_send[P_REQ] = (TRANSFER_ID, groups)
+        await prefill.record_send_reqs(notice)
+
+
+def side_channel(decode: Any) -> tuple[zmq.asyncio.Socket, int]:
+    """A prefill worker's side channel on loopback: (socket, port)."""
+    router = decode.async_zmq_ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    return router, router.bind_to_random_port("tcp://127.0.0.1")
+
+
+def decode_meta(req_id: str, blocks: list[int], peers: int) -> upstream.PullReqMeta:
+    """Decode's pull of TRANSFER_ID into ``blocks`` (both groups), from
+    ``peers`` prefill workers (upstream's pull_tasks_count)."""
+    meta = upstream.PullReqMeta(
+        d_req_id=req_id,
+        transfer_id=TRANSFER_ID,
+        local_block_ids=[blocks, blocks],
+        remote_engine_id="pd-prefill",
+        remote_bootstrap_addr="http://127.0.0.1:1",
+    )
+    meta.pull_tasks_count = peers
+    return meta
+
+
 def run_pull(
     chunk_bytes: int | None,
     fail_at: int | None = None,
@@ -152,18 +186,9 @@ def run_pull(
         prefill._stage_send = stage
 
     async def go() -> tuple[upstream.PullReqMeta, Any]:
-        prefill.sender_loop = asyncio.get_running_loop()
-        # The plugin's pool (connector._bound_sends): the pull's context, and
-        # with it decode's span, travels with each send.
-        prefill._sender_executor = send_deadline.SessionExecutor(1)
-        for blocks in ([], [mine, mine]):
-            notice = upstream.MooncakeConnectorMetadata()
-            notice.reqs_to_send[P_REQ] = (TRANSFER_ID, blocks)
-            await prefill.record_send_reqs(notice)
+        await prefill_ready(prefill, mine)
         send_meta = prefill.reqs_need_send[TRANSFER_ID]
-        router = decode.async_zmq_ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
+        router, port = side_channel(decode)
 
         answering: list[asyncio.Future] = []
 
@@ -179,14 +204,7 @@ def run_pull(
                 )
 
         serving = asyncio.ensure_future(serve())
-        meta = upstream.PullReqMeta(
-            d_req_id=D_REQ,
-            transfer_id=TRANSFER_ID,
-            local_block_ids=[theirs, theirs],
-            remote_engine_id="pd-prefill",
-            remote_bootstrap_addr="http://127.0.0.1:1",
-        )
-        meta.pull_tasks_count = 1
+        meta = decode_meta(D_REQ, theirs, peers=1)
         try:
             await asyncio.wait_for(
                 decode.receive_kv_from_single_worker(

@@ -28,16 +28,17 @@ from typing import Any
 import pytest
 import test_chunked_pull
 import torch
-import zmq
 from test_chunked_pull import (
     CHUNK_BYTES,
     LOGICAL_BLOCKS,
     P_REQ,
     REQUEST_BLOCKS,
     SHAPES,
-    TRANSFER_ID,
     DescriptorLog,
+    decode_meta,
     landed_wrong,
+    prefill_ready,
+    side_channel,
     worker,
 )
 from test_tp_pairs import topology
@@ -45,7 +46,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
     mooncake_connector as upstream,
 )
 
-from pd_mooncake import send_deadline
 from pd_mooncake.staging_worker import StagingWorker
 
 D_REQ = "d-req"
@@ -94,16 +94,8 @@ def run_split(
         # The k-th answer of the other rank waits for the first's k-th.
         answered = asyncio.Semaphore(0)
         for prefill in prefills:
-            prefill.sender_loop = asyncio.get_running_loop()
-            prefill._sender_executor = send_deadline.SessionExecutor(1)
-            for blocks in ([], [mine, mine]):
-                notice = upstream.MooncakeConnectorMetadata()
-                notice.reqs_to_send[P_REQ] = (TRANSFER_ID, blocks)
-                await prefill.record_send_reqs(notice)
-            router = decode.async_zmq_ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            port = router.bind_to_random_port("tcp://127.0.0.1")
-            routers.append((router, port))
+            await prefill_ready(prefill, mine)
+            routers.append(side_channel(decode))
 
         async def serve(rank: int) -> None:
             prefill, (router, _) = prefills[rank], routers[rank]
@@ -118,15 +110,7 @@ def run_split(
                     answered.release()
 
         serving = [asyncio.ensure_future(serve(r)) for r in range(PREFILL_TP)]
-        meta = upstream.PullReqMeta(
-            d_req_id=D_REQ,
-            transfer_id=TRANSFER_ID,
-            local_block_ids=[theirs, theirs],
-            remote_engine_id="pd-prefill",
-            remote_bootstrap_addr="http://127.0.0.1:1",
-        )
-        # Upstream's count of the peers a request is pulled from.
-        meta.pull_tasks_count = PREFILL_TP
+        meta = decode_meta(D_REQ, theirs, peers=PREFILL_TP)
         shared = {D_REQ: meta}
         tasks = [
             decode.receive_kv_from_single_worker(f"tcp://127.0.0.1:{port}", shared)
