@@ -187,7 +187,7 @@ def kv_path_step(
 def transfer_cost_step(
     s: Settings, own: supervisor.Processes, out: Path, progress: Clock
 ) -> list[str]:
-    """Per state (bench.kv_path.STATES) the P/D stack restarted with its
+    """Per state (bench.transfer_cost.STATES) the P/D stack restarted with its
     environment, then bench.transfer_cost's ladder fresh, a burst, the ladder
     fragmented; then, the stack stopped, the engine alone at the same bytes.
     The figures are written even if a later state fails."""
@@ -195,8 +195,8 @@ def transfer_cost_step(
     info: dict[str, Any] = {}
     layout, notes = None, []
     try:
-        for index, state in enumerate(kv_path.STATES):
-            env = kv_path.STATE_ENV[state]
+        for index, state in enumerate(transfer_cost.STATES):
+            env = transfer_cost.STATE_ENV[state]
             progress(f"transfer cost '{state}': P/D (re)started")
             urls, _, notes = stack.restart_pd(own, s.profile, env)
             layout = layout or kv_transfer.served_layout(urls.prefill, s.profile)
@@ -222,13 +222,14 @@ def transfer_cost_step(
     model = kv_transfer.layout_from_json(layout)
     regions = model.layers if model else None
     engine: dict[int, float] = {}
+    own: dict[int, float] = {}
     if sizes := {int(x.nbytes) for x in samples if x.nbytes > 0}:
         progress(f"transfer cost: the engine alone at {len(sizes)} sizes")
         try:
-            engine = transfer_cost.engine_cpu(sizes)
+            engine, own = transfer_cost.engine_cpu(sizes)
         except (OSError, RuntimeError) as exc:
             progress(f"transfer cost: engine alone failed: {exc}")
-    result = transfer_cost.Result(samples, regions, engine, info)
+    result = transfer_cost.Result(samples, regions, engine, info, own)
     transfer_cost.write(out, result)
     return notes
 

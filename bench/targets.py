@@ -398,6 +398,14 @@ def _cpu_target(result: transfer_cost.Result | None) -> Target:
                 f"{figures['engine_alone']:.2f} CPU-s/GiB)")  # fmt: skip
     direct = result.cpu_per_gib("direct") if result else {}
     note = f"raw (idle not taken out): {figures['raw']:.2f} CPU-s/GiB"
+    if (own := figures.get("ratio_threads")) is not None:
+        # The engine alone less its caller's spin (transfer_cost's docstring).
+        note += (f"; against the engine's own threads "
+                 f"({figures['engine_threads']:.2f}): {own:.2f}x")  # fmt: skip
+    unchecked = result.cpu_per_gib(transfer_cost.UNCHECKED) if result else {}
+    if unchecked.get("ratio") is not None:
+        note += (f"; KV checksum off: {unchecked['net']:.2f} CPU-s/GiB, "
+                 f"{unchecked['ratio']:.2f}x")  # fmt: skip
     if direct.get("ratio") is not None:
         note += f"; direct: {direct['net']:.2f} CPU-s/GiB, {direct['ratio']:.2f}x"
     met = ratio_ <= limit

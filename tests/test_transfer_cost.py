@@ -8,11 +8,12 @@ import threading
 import time
 from pathlib import Path
 
-from bench import targets
+from bench import kv_checksum, kv_path, targets
 from bench import transfer_cost as tc
 from pd_mooncake import staging
 
 MIB = 1 << 20
+GIB = 1 << 30
 REGIONS = 9
 
 
@@ -67,6 +68,40 @@ def test_cpu_ratio_net_of_idle_against_the_engine_for_the_same_bytes() -> None:
     assert targets._cpu_target(tc.Result([sample(1, gib)], REGIONS, {})).met is None
 
 
+def test_the_engine_alone_is_also_compared_without_its_callers_spin() -> None:
+    """batch_transfer_sync_write spins in its caller (the engine alone's
+    sender main thread) and the plugin's sends do not: the ratio against
+    the engine's own threads is reported beside the judged one, and so is
+    the staged state with the KV checksum off."""
+    gib = float(1 << 30)
+    staged = sample(1, gib, cpu=3.0)
+    unchecked = tc.Sample(**{**staged.__dict__, "state": tc.UNCHECKED,
+                             "cpu_s": {"prefill": 1.0, "decode": 1.0}})  # fmt: skip
+    result = tc.Result([staged, unchecked], REGIONS, {int(gib): 2.0 / gib}, {},
+                       {int(gib): 1.0 / gib})  # fmt: skip
+    figures = result.cpu_per_gib("staged")
+    assert (figures["ratio"], figures["engine_threads"], figures["ratio_threads"]) == (
+        1.5, 1.0, 3.0,
+    )  # fmt: skip
+    verdict = targets._cpu_target(result)
+    assert verdict.met is True and verdict.measured.startswith("1.50x")
+    assert "against the engine's own threads (1.00): 3.00x" in verdict.note
+    assert "KV checksum off: 2.00 CPU-s/GiB, 1.00x" in verdict.note
+    assert tc.STATE_ENV[tc.UNCHECKED] == {kv_checksum.ENV: "0"}
+    assert tc.STATES[: len(kv_path.STATES)] == kv_path.STATES  # their seeds kept
+
+
+def test_the_engine_alone_counts_its_callers_spin_apart() -> None:
+    """Two real loopback engines: the sender's main thread, which waits in
+    batch_transfer_sync_write, burns CPU that the engine's own threads do
+    not include."""
+    size = 8 << 20
+    whole, own = tc.engine_cpu([size], least=64 << 20)
+    print(f"engine alone: {whole[size] * GIB:.2f} CPU-s/GiB, own threads "
+          f"{own[size] * GIB:.2f}")  # fmt: skip
+    assert 0 < own[size] < whole[size]
+
+
 def test_ladder_runs_from_128_tokens_to_the_longest_prompt() -> None:
     assert tc.ladder(8192, quick=True) == [128, 1024, 8192 - tc.OUTPUT_TOKENS]
     full = tc.ladder(8192, quick=False)
@@ -112,11 +147,13 @@ def test_transfer_threads_are_the_unnamed_non_main_threads_from_proc() -> None:
 
 
 def test_the_run_file_round_trips(tmp_path: Path) -> None:
-    result = tc.Result([sample(19, 10 * MIB)], REGIONS, {10 * MIB: 1e-9}, {"x": 1})
+    result = tc.Result([sample(19, 10 * MIB)], REGIONS, {10 * MIB: 1e-9}, {"x": 1},
+                       {10 * MIB: 5e-10})  # fmt: skip
     tc.write(tmp_path, result)
     again = tc.read(tmp_path)
     assert again is not None and again.samples == result.samples
     assert again.engine_cpu_per_byte == result.engine_cpu_per_byte
+    assert again.engine_threads_per_byte == result.engine_threads_per_byte
     assert "NO" not in "\n".join(tc.markdown(again))
     assert tc.read(tmp_path / "none") is None
 

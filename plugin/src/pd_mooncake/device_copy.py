@@ -69,6 +69,7 @@ class Memory:
     holds an address."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        import numpy as np
         import torch
 
         storages: dict[int, torch.Tensor] = {}
@@ -78,6 +79,9 @@ class Memory:
             storages[s.data_ptr()] = flat
         self._starts = sorted(storages)
         self._tensors = [storages[a] for a in self._starts]
+        # The same, as arrays: ``move`` locates a send's ranges all at once.
+        self._start_array = np.array(self._starts, dtype=np.int64)
+        self._size_array = np.array([t.numel() for t in self._tensors], dtype=np.int64)
         # The devices other than the CPU this memory lies on (none: host memory).
         self.devices = {t.device for t in self._tensors if t.device.type != "cpu"}
 
@@ -88,6 +92,22 @@ class Memory:
             return None
         offset = addr - self._starts[i]
         return (i, offset) if offset + nbytes <= self._tensors[i].numel() else None
+
+    def locate_all(
+        self, addrs: np.ndarray, nbytes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``locate`` of each range (int64 arrays): which tensor, the offset
+        in it, and whether the range lies inside it."""
+        import numpy as np
+
+        if not len(self._starts):
+            zeros = np.zeros(len(addrs), dtype=np.int64)
+            return zeros, zeros, np.zeros(len(addrs), dtype=bool)
+        i = np.searchsorted(self._start_array, addrs, side="right") - 1
+        index = np.maximum(i, 0)
+        offset = addrs - self._start_array[index]
+        inside = (i >= 0) & (nbytes >= 0) & (offset + nbytes <= self._size_array[index])
+        return index, offset, inside
 
     def contains(self, addr: int, nbytes: int) -> bool:
         return self.locate(addr, nbytes) is not None
@@ -321,16 +341,25 @@ def move(
     network). Returns the number of indexed copies (one per pair of tensors)."""
     import numpy as np
 
-    placed: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-    for d, s, n in zip(dsts, srcs, lengths, strict=True):
-        at_d, at_s = to.locate(d, n), source.locate(s, n)
-        if at_d is None or at_s is None:
-            addr = d if at_d is None else s
-            raise ValueError(f"{n} bytes at {addr:#x} are not registered memory")
-        if n:
-            placed.setdefault((at_d[0], at_s[0]), []).append((at_d[1], at_s[1], n))
-    for (d_index, s_index), ranges in placed.items():
-        table = np.array(ranges, dtype=np.int64)
+    d, s, n = (np.array(x, dtype=np.int64) for x in (dsts, srcs, lengths))
+    if not len(d) == len(s) == len(n):
+        raise ValueError("move: destinations, sources and lengths differ in count")
+    # All ranges at once: a fragmented send has thousands, and a locate each
+    # cost the sender (or receiver) thread milliseconds. The first bad range
+    # is reported, before any copy.
+    d_at, d_offset, d_in = to.locate_all(d, n)
+    s_at, s_offset, s_in = source.locate_all(s, n)
+    if (bad := ~(d_in & s_in)).any():
+        k = int(np.argmax(bad))
+        addr = int(d[k] if not d_in[k] else s[k])
+        raise ValueError(f"{int(n[k])} bytes at {addr:#x} are not registered memory")
+    keep = n != 0
+    placed: dict[tuple[int, int], np.ndarray] = {}
+    pairs = zip(d_at[keep].tolist(), s_at[keep].tolist(), strict=True)
+    for pair in dict.fromkeys(pairs):
+        chosen = keep & (d_at == pair[0]) & (s_at == pair[1])
+        placed[pair] = np.stack([d_offset[chosen], s_offset[chosen], n[chosen]], 1)
+    for (d_index, s_index), table in placed.items():
         d_flat, s_flat = to.flat(d_index), source.flat(s_index)
         # Rows as large as every offset and length allows (a page, a block),
         # read as the widest words both tensors' alignment allows.

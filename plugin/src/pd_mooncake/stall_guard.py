@@ -55,8 +55,16 @@ NOT_SUBMITTED = 0
 # completes every millisecond or so.
 DEFAULT_STALL_S = 1.0
 # Between polling rounds: short against a transfer (13-600 ms measured) and
-# long against a round (a few microseconds per pending descriptor).
+# long against a round.
 POLL_S = 0.001
+# A round polls the pending descriptors in submission order and stops at the
+# first still running: Mooncake's TCP transport completes a write's slices
+# about in order, so a round is a status call or two, not one per pending
+# descriptor (a 152 MiB staged record, 153 descriptors, on loopback: about
+# 230 status calls instead of 4,050, 2026-12-03). All of them are polled
+# every SWEEP_S (a descriptor done out of order is progress: the stall
+# bound needs it seen) and before a stall or a timed-out slice is acted on.
+SWEEP_S = 0.05
 # How long a submission can still write, at Mooncake's default timeouts; the
 # connector passes the configured value (send_deadline.SendTimeouts.attempt_s).
 DEFAULT_SETTLE_S = max(MOONCAKE_ATTEMPT_TIMEOUTS.values())
@@ -170,29 +178,44 @@ def _write(
         engine, session, descriptors, range(len(descriptors)), unsettled, clock
     )
     resends, failed, progress, wait_s = 0, False, clock(), stall_s
+    swept = clock()
     while pending:
-        still: dict[int, int] = {}
+        began = clock()
+        sweep = began - swept >= SWEEP_S or began - progress >= wait_s
+        if sweep:
+            swept = began
+        settled: list[int] = []
         timed_out = False
         for index, batch_id in pending.items():
             status = engine.transfer_check_status(batch_id)
-            if status == RUNNING:
-                still[index] = batch_id
-            elif status == DONE:
+            if status == DONE:
                 del unsettled[batch_id]
                 progress, wait_s = clock(), stall_s
             elif status == FAILED:
                 del unsettled[batch_id]
                 failed = True
-            else:  # TIMED_OUT: Mooncake gave up on the slice, id not freed.
-                still[index], timed_out = batch_id, True
-        pending = still
-        if len(unsettled) > len(pending):
-            _poll(engine, unsettled, skip=set(pending.values()))
-        orphans.poll(engine)
+            else:
+                # TIMED_OUT: Mooncake gave up on the slice, id not freed.
+                timed_out = timed_out or status == TIMED_OUT
+                if sweep:
+                    continue
+                break  # the rest in a later round (SWEEP_S)
+            settled.append(index)
+        for index in settled:
+            del pending[index]
+        if sweep:
+            if len(unsettled) > len(pending):
+                _poll(engine, unsettled, skip=set(pending.values()))
+            orphans.poll(engine)
         now = clock()
         if not pending or (now - progress < wait_s and not timed_out):
             if pending:
                 sleep(POLL_S)
+            continue
+        if not sweep:
+            # A stall or a timed-out slice is acted on only over all of them:
+            # the ones past the first may be done.
+            swept = float("-inf")
             continue
         if failed or not may_resend(now):
             return -1, resends
