@@ -206,7 +206,7 @@ TP_PAIR_ENV := PD_PROFILE=tiny-mtp PD_MOONCAKE_KV_CHECKSUM=0
 TP_PAIRS := 1:2 2:1
 
 .PHONY: test-tp-pairs
-test-tp-pairs: install ## The twin at prefill TP 1 -> decode TP 2 and 2 -> 1 (tiny-mtp): exact, each rank's KV bytes (~12 min)
+test-tp-pairs: install ## The twin at prefill TP 1 -> decode TP 2 and 2 -> 1 (tiny-mtp): exact, each rank's KV bytes (~7 min)
 	for pair in $(TP_PAIRS); do \
 	  echo "=== prefill TP $${pair%:*} -> decode TP $${pair#*:}"; \
 	  $(TP_PAIR_ENV) PD_PREFILL_TENSOR_PARALLEL_SIZE=$${pair%:*} PD_DECODE_TENSOR_PARALLEL_SIZE=$${pair#*:} \
