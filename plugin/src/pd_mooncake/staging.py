@@ -165,8 +165,8 @@ class Offer:
     nbytes: int
     address: int
     nonce: int = field(default_factory=lambda: secrets.randbits(63))
-    # No failure and no resend: the span may be reused at once once every
-    # request of the pull is in ``answered``.
+    # No failure and no resend; with every request of the pull in
+    # ``answered`` too, the span may be reused at once (_staging_close).
     clean: bool = True
     # The requests this peer's answers named done: their record scattered,
     # or nothing of theirs sent by this peer (``pd_staging_empty``). Prefill
