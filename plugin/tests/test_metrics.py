@@ -201,6 +201,30 @@ def test_attribution_matches_page_by_page(layout: str) -> None:
         ), (addr, length)
 
 
+@pytest.mark.parametrize("layout", ["layer-major", "block-major", "overlapping"])
+def test_a_sends_totals_are_its_descriptors_page_by_page(layout: str) -> None:
+    """``totals`` takes a send's descriptors at once: per region the sum of
+    each descriptor's page-by-page attribution, the bytes outside every
+    region summed likewise."""
+    rng = random.Random(f"totals {layout}")
+    regions = {
+        "layer-major": [metrics.RegionPages(f"l{i}", "MLA", 1000 + i * 4000, 96, 64, 40)
+                        for i in (3, 0, 2, 1)],
+        "block-major": [metrics.RegionPages(f"l{i}", "GQA K/V", 1000 + i * 100, 300,
+                                            100, 50) for i in range(3)],
+        "overlapping": [metrics.RegionPages("o", "MLA-latent", 1000, 50, 80, 60)],
+    }[layout]  # fmt: skip
+    region_map = metrics.RegionMap(regions)
+    for _ in range(50):
+        sends = [(rng.randrange(0, 18000), rng.randrange(1, 3000)) for _ in range(40)]
+        expected: dict[tuple[str, str], int] = {}
+        for addr, length in sends:
+            for name, kind, n in block_by_block(regions, addr, length):
+                expected[name, kind] = expected.get((name, kind), 0) + n
+        got = region_map.totals([a for a, _ in sends], [n for _, n in sends])
+        assert {(name, kind): n for name, kind, n in got} == expected
+
+
 # --- resent stalls and the failure record ---------------------------------------
 # A Mooncake TCP stall (both peers stop reading their sockets until the next
 # submission, kvcache-ai/Mooncake#4209 family) cannot be produced on

@@ -8,13 +8,12 @@ per-region byte counts to them and turns them into counters and histograms.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
 )
@@ -96,89 +95,61 @@ UNREGISTERED = ("unregistered", "unknown")
 
 
 class RegionMap:
-    """Attributes a descriptor's bytes to the regions whose pages it covers.
+    """Attributes a send's bytes to the regions whose pages its descriptors
+    cover.
 
     Upstream coalesces adjacent blocks, and on block-major layouts one
     descriptor spans the pages of every layer, so a descriptor is split by
-    overlap rather than located by its start address.
+    overlap rather than located by its start address: per region, the bytes
+    of its pages below the descriptor's end less those below its start
+    (``_below``, a closed form), for all of a send's descriptors at once. A
+    fragmented 152 MiB send on the twin (4,608 descriptors, 9 regions) took
+    the sender thread 13 ms one descriptor at a time, 1.5 ms so
+    (2026-12-03).
     """
 
     def __init__(self, regions: Sequence[RegionPages]) -> None:
         self.regions = list(regions)
-        # Each region's span [first page's start, last page's end), by start.
-        # Layer-major caches (the twin's) do not interleave: a descriptor is
-        # then checked against the one or two regions whose span it meets,
-        # found by bisection, and their pages counted in O(1) (_below), not
-        # every region block by block: a 152 MiB send on the twin's 9
-        # regions took the sender thread 8.0 ms (576 descriptors, fresh) and
-        # 31 ms (3,240, fragmented), now 2.3 and 12-15 ms (2026-12-03).
-        usable = [r for r in self.regions if r.stride > 0 and r.page > 0]
-        spans = sorted(
-            (
-                (r.base, r.base + (r.num_blocks - 1) * r.stride + r.page, r)
-                for r in usable
-                if r.num_blocks > 0
-            ),
-            key=lambda span: span[:2],
-        )
-        self._order = [r for _, _, r in spans]
-        self._ends = [end for _, end, _ in spans]
-        self._apart = all(a[1] <= b[0] for a, b in itertools.pairwise(spans)) and all(
-            r.page <= r.stride for r in usable
-        )
-        # Registration order, the order of attribute's answer either way.
-        self._rank = {id(r): i for i, r in enumerate(self.regions)}
+        self._usable = [r for r in self.regions if r.stride > 0 and r.page > 0]
 
     def attribute(self, addr: int, length: int) -> list[tuple[str, str, int]]:
-        end = addr + length
-        candidates: Iterable[RegionPages] = self.regions
-        if self._apart:
-            # Spans apart, so ends ascend: from the first ending past addr,
-            # while they start before end.
-            at = bisect.bisect_right(self._ends, addr)
-            candidates = sorted(
-                itertools.takewhile(lambda r: r.base < end, self._order[at:]),
-                key=lambda r: self._rank[id(r)],
-            )
-        out: list[tuple[str, str, int]] = []
-        for r in candidates:
-            if r.stride <= 0 or r.page <= 0:
-                continue
-            covered = _below(r, end) - _below(r, addr)
-            if covered:
-                out.append((r.name, r.layout, covered))
-        rest = length - sum(n for _, _, n in out)
-        if rest > 0:
-            out.append((*UNREGISTERED, rest))
-        return out
+        return self.totals([addr], [length])
 
     def totals(
         self, addrs: Sequence[int], lengths: Sequence[int]
     ) -> list[tuple[str, str, int]]:
-        """``attribute`` summed over a send's descriptors: one entry per
-        region (the stats carry a send's few, not one per descriptor)."""
+        """The bytes of a send's descriptors per region, in registration
+        order, and any outside every region as ``UNREGISTERED``: the stats
+        carry a send's few entries, not one per descriptor."""
+        start = np.asarray(addrs, dtype=np.int64)
+        length = np.asarray(lengths, dtype=np.int64)
+        if start.shape != length.shape:
+            raise ValueError("RegionMap.totals: addresses and lengths differ in count")
+        end = start + length
+        rest = length.copy()
         summed: dict[tuple[str, str], int] = {}
-        for addr, length in zip(addrs, lengths, strict=True):
-            for name, layout, n in self.attribute(addr, length):
-                summed[name, layout] = summed.get((name, layout), 0) + n
-        return [(name, layout, n) for (name, layout), n in summed.items()]
+        for r in self._usable:
+            covered = _below(r, end) - _below(r, start)
+            rest -= covered
+            if n := int(covered.sum()):
+                summed[r.name, r.layout] = summed.get((r.name, r.layout), 0) + n
+        out = [(name, layout, n) for (name, layout), n in summed.items()]
+        if (outside := int(np.maximum(rest, 0).sum())) > 0:
+            out.append((*UNREGISTERED, outside))
+        return out
 
 
-def _below(r: RegionPages, x: int) -> int:
-    """Bytes of ``r``'s pages below address ``x``: a descriptor [a, e)
-    covers ``_below(e) - _below(a)`` of them, in O(1) for pages no longer
-    than their stride, else block by block."""
+def _below(r: RegionPages, x: np.ndarray) -> np.ndarray:
+    """Bytes of ``r``'s pages below each address in ``x``. Blocks ``b <
+    whole`` lie wholly below; each later block up to ``last`` (the last to
+    start below) contributes ``y - b * stride``: an arithmetic series, so
+    pages longer than their stride (overlapping) cost no more."""
     y = x - r.base
-    if y <= 0:
-        return 0
-    if r.page > r.stride:
-        last = min(r.num_blocks - 1, (y - 1) // r.stride)
-        return sum(min(r.page, y - b * r.stride) for b in range(last + 1))
-    # Whole pages below x, then the part of the page x falls in.
-    whole = min(r.num_blocks, max(0, (y - r.page) // r.stride + 1))
-    block = y // r.stride
-    part = y - block * r.stride if whole <= block < r.num_blocks else 0
-    return whole * r.page + part
+    whole = np.clip((y - r.page) // r.stride + 1, 0, r.num_blocks)
+    last = np.minimum(r.num_blocks - 1, (y - 1) // r.stride)
+    k = np.maximum(last - whole + 1, 0)
+    partial = k * y - r.stride * ((whole + last) * k // 2)
+    return np.where(y > 0, whole * r.page + partial, 0)
 
 
 class PDMooncakeStats(MooncakeKVConnectorStats):
