@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
 )
 
 from conftest import make_worker
-from pd_mooncake import checksum, extra_config, faults
+from pd_mooncake import checksum, extra_config, faults, kv_digest
 
 BLOCKS, TOKENS, LATENT = 64, 16, 96
 PAGE = TOKENS * LATENT * 4
@@ -78,8 +78,42 @@ def test_chunking_does_not_change_the_digest(
     sent: torch.Tensor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     whole = request_digest(sent, IDS)
-    monkeypatch.setattr(checksum, "CHUNK_BYTES", PAGE * 2)  # 3 chunks
+    # kv_digest's own name: checksum's is a re-export the digest never reads.
+    monkeypatch.setattr(kv_digest, "CHUNK_BYTES", PAGE * 2)  # 3 chunks
     assert request_digest(sent, IDS) == whole
+
+
+def test_digest_is_exact_on_overflowing_fragmented_blocks_in_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The torch digest against the plain-Python one where every sum wraps
+    (full-range words, pages at the extremes), on strided pages (a block
+    longer than its page, as region_pages reads a layer inside a larger
+    block), fragmented ids out of order, several chunks with a short last
+    one, and 2 threads (pages large enough that torch splits the work)."""
+    words, gap, blocks = 16384, 64, 24
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randint(
+        -(2**31), 2**31, (blocks, words + gap), dtype=torch.int32, generator=g
+    )
+    cache[3, :words] = 2**31 - 1
+    cache[4, :words] = -(2**31)
+    pages = checksum.region_pages(
+        {"c": cache}, cache.data_ptr(), (words + gap) * 4, words * 4, blocks
+    )
+    assert not pages.is_contiguous()
+    ids = [21, 3, 4, 5, 17, 0, 23, 9, 8, 12, 2]
+    want = checksum.reference_digest(pages[ids].tolist())
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(kv_digest, "CHUNK_BYTES", 3 * words * 4)  # 3+3+3+2
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert int(checksum.digest(pages, torch.tensor(ids))) == want
+    finally:
+        torch.set_num_threads(threads)
+    # The reference itself wraps: not a sum that never left 64 bits.
+    assert checksum.reference_digest(pages[ids[:1]].tolist()) != 0
 
 
 def _wrong_place(cache: torch.Tensor, mine: list[int], sent: torch.Tensor) -> None:
@@ -114,7 +148,17 @@ def _swapped(cache: torch.Tensor, mine: list[int], sent: torch.Tensor) -> None:
 
 
 def _sign_flips(cache: torch.Tensor, mine: list[int], sent: torch.Tensor) -> None:
+    # Two fp32 signs, in two blocks (in one block they cancel: below).
+    cache[mine[2], 0, 0] = -cache[mine[2], 0, 0]
+    cache[mine[3], 5, 1] = -cache[mine[3], 5, 1]
+
+
+def _sign_and_mantissa(
+    cache: torch.Tensor, mine: list[int], sent: torch.Tensor
+) -> None:
+    # Two values of one block negated and one of them rounded: not bit 31 alone.
     cache[mine[2], 0, :2] = -cache[mine[2], 0, :2]
+    cache[mine[2], 0, 0] = torch.nextafter(cache[mine[2], 0, 0], torch.tensor(9.0))
 
 
 def _the_fault(cache: torch.Tensor, mine: list[int], sent: torch.Tensor) -> None:
@@ -130,6 +174,7 @@ FAILURES = [
     _one_word,
     _swapped,
     _sign_flips,
+    _sign_and_mantissa,
     _the_fault,
 ]
 
@@ -143,6 +188,18 @@ def test_each_failure_changes_the_digest(sent: torch.Tensor, failure: Any) -> No
     assert request_digest(cache, mine) != request_digest(sent, IDS)
 
 
+def test_the_known_miss_two_sign_bits_in_one_block(sent: torch.Tensor) -> None:
+    """What 32-bit sums give up (checksum.py's docstring): a flip of bit 31
+    moves s_i by W[j] * 2**31 = 2**31 (mod 2**32) whatever the odd W[j],
+    so two such flips in one block cancel. Kept as a test so that a change
+    of the math that closes (or widens) the gap is seen."""
+    cache, mine = landed(sent, IDS)
+    cache[mine[2], 0, :2] = -cache[mine[2], 0, :2]
+    assert request_digest(cache, mine) == request_digest(sent, IDS)
+    cache[mine[2], 0, 2] = -cache[mine[2], 0, 2]  # an odd number: seen
+    assert request_digest(cache, mine) != request_digest(sent, IDS)
+
+
 def test_a_plain_sum_would_miss_a_swap(sent: torch.Tensor) -> None:
     """Negative control for the position weights: without them (every
     position weighted 1) two swapped blocks give the same digest."""
@@ -150,8 +207,8 @@ def test_a_plain_sum_would_miss_a_swap(sent: torch.Tensor) -> None:
     _swapped(cache, mine, sent)
     pages = pages_of(cache)
     w = checksum.word_weights(pages.shape[1], pages.device)
-    unweighted = (pages[mine] * w).sum(dim=1).sum()
-    assert unweighted == (pages_of(sent)[IDS] * w).sum(dim=1).sum()
+    unweighted = (pages[mine] * w).sum(dim=1, dtype=torch.int32).sum()
+    assert unweighted == (pages_of(sent)[IDS] * w).sum(dim=1, dtype=torch.int32).sum()
     assert request_digest(cache, mine) != request_digest(sent, IDS)
 
 
