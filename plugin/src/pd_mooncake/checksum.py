@@ -79,6 +79,7 @@ from pd_mooncake import metric_names, staging, wire
 from pd_mooncake.kv_digest import (  # noqa: F401
     _MASK,
     CHUNK_BYTES,
+    SCHEME,
     digest,
     position_weights,
     reference_digest,
@@ -165,7 +166,9 @@ class ChecksumWorker:
         encoder.answer_fields.append(self._checksum_answer_fields)
 
     def _checksum_pull_fields(self) -> dict[str, Any]:
-        return {"pd_kv_checksum": True} if self.kv_checksum else {}
+        if not self.kv_checksum:
+            return {}
+        return {"pd_kv_checksum": True, "pd_kv_digest_scheme": SCHEME}
 
     def _checksum_answer_fields(self, answer: Any) -> dict[str, Any]:
         """The digests of the answered requests (prefill)."""
@@ -179,6 +182,7 @@ class ChecksumWorker:
         return {
             "pd_kv_digests": digests,
             "pd_kv_regions": list(self.registered_layer_names),
+            "pd_kv_digest_scheme": SCHEME,
         }
 
     # both sides ---------------------------------------------------------------
@@ -255,6 +259,16 @@ class ChecksumWorker:
                 f"{self.tp_size} PP {self.pp_size}, decode {peer} TP "
                 f"{meta.remote_tp_size} PP {getattr(meta, 'remote_pp_size', 1)}"
             )
+        elif (
+            self.kv_checksum
+            and (theirs := getattr(meta, "pd_kv_digest_scheme", 0)) != SCHEME
+        ):
+            # Compared, the digests would differ on every request.
+            reason = (
+                f"{KEY} digest schemes differ: prefill computes scheme {SCHEME}, "
+                f"decode {peer} {_scheme(theirs)}; run the same pd_mooncake "
+                "version on both roles"
+            )
         else:
             return None
         if peer not in self._checksum_refused:
@@ -314,6 +328,7 @@ class ChecksumWorker:
             return
         sent = getattr(response, "pd_kv_digests", None) or {}
         names = getattr(response, "pd_kv_regions", None)
+        theirs = getattr(response, "pd_kv_digest_scheme", 0)
         failed: dict[str, str] = {}
         for req_id in response.ok_reqs:
             meta = pull_metas.get(req_id)
@@ -326,6 +341,11 @@ class ChecksumWorker:
                     "is not PDMooncakeConnector): set it on both roles"
                 )
                 continue
+            if theirs != SCHEME:
+                # Not compared: another scheme's digests differ on every
+                # request, which is not a transfer fault.
+                failed[req_id] = self._scheme_refusal(theirs, meta)
+                continue
             reason = self._compare(req_id, expected, names, meta.local_block_ids)
             if reason:
                 failed[req_id] = reason
@@ -333,6 +353,18 @@ class ChecksumWorker:
             response.ok_reqs = [r for r in response.ok_reqs if r not in failed] or None
             for req_id, reason in failed.items():
                 self._handle_failed_recv(pull_metas, [req_id], reason)
+
+    def _scheme_refusal(self, theirs: int, meta: Any) -> str:
+        peer = meta.remote_bootstrap_addr
+        reason = (
+            f"{KEY} digest schemes differ: prefill {peer} sent {_scheme(theirs)}"
+            f" digests, decode computes scheme {SCHEME}; not compared: run the "
+            "same pd_mooncake version on both roles"
+        )
+        if peer not in self._checksum_refused:
+            self._checksum_refused.add(peer)
+            logger.error("PD Mooncake: refusing KV digests from %s: %s", peer, reason)
+        return reason
 
     def _compare(
         self, req_id: str, expected: list[int], names: Any, blocks: list[list[int]]
@@ -365,6 +397,14 @@ class ChecksumWorker:
             sum(g is not None for g in got),
         )
         return f"KV checksum mismatch in {len(bad)} regions (first: {name})"
+
+
+def _scheme(number: int) -> str:
+    return (
+        f"scheme {number}"
+        if number
+        else "no scheme (a plugin from before 2026-12-03: scheme 1)"
+    )
 
 
 def _hex(value: int | None) -> str:
