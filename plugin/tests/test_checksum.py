@@ -13,6 +13,7 @@ import queue
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from test_transfer import (
@@ -28,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
 )
 
 from conftest import make_worker
-from pd_mooncake import checksum, extra_config, faults
+from pd_mooncake import checksum, extra_config, faults, kv_digest, wire
 
 BLOCKS, TOKENS, LATENT = 64, 16, 96
 PAGE = TOKENS * LATENT * 4
@@ -78,8 +79,42 @@ def test_chunking_does_not_change_the_digest(
     sent: torch.Tensor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     whole = request_digest(sent, IDS)
-    monkeypatch.setattr(checksum, "CHUNK_BYTES", PAGE * 2)  # 3 chunks
+    # kv_digest's own name: checksum's is a re-export the digest never reads.
+    monkeypatch.setattr(kv_digest, "CHUNK_BYTES", PAGE * 2)  # 3 chunks
     assert request_digest(sent, IDS) == whole
+
+
+def test_digest_is_exact_on_overflowing_fragmented_blocks_in_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The torch digest against the plain-Python one where every sum wraps
+    (full-range words, pages at the extremes), on strided pages (a block
+    longer than its page, as region_pages reads a layer inside a larger
+    block), fragmented ids out of order, several chunks with a short last
+    one, and 2 threads (pages large enough that torch splits the work)."""
+    words, gap, blocks = 16384, 64, 24
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randint(
+        -(2**31), 2**31, (blocks, words + gap), dtype=torch.int32, generator=g
+    )
+    cache[3, :words] = 2**31 - 1
+    cache[4, :words] = -(2**31)
+    pages = checksum.region_pages(
+        {"c": cache}, cache.data_ptr(), (words + gap) * 4, words * 4, blocks
+    )
+    assert not pages.is_contiguous()
+    ids = [21, 3, 4, 5, 17, 0, 23, 9, 8, 12, 2]
+    want = checksum.reference_digest(pages[ids].tolist())
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(kv_digest, "CHUNK_BYTES", 3 * words * 4)  # 3+3+3+2
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert int(checksum.digest(pages, torch.tensor(ids))) == want
+    finally:
+        torch.set_num_threads(threads)
+    # The reference itself wraps: not a sum that never left 64 bits.
+    assert checksum.reference_digest(pages[ids[:1]].tolist()) != 0
 
 
 def _wrong_place(cache: torch.Tensor, mine: list[int], sent: torch.Tensor) -> None:
@@ -114,7 +149,17 @@ def _swapped(cache: torch.Tensor, mine: list[int], sent: torch.Tensor) -> None:
 
 
 def _sign_flips(cache: torch.Tensor, mine: list[int], sent: torch.Tensor) -> None:
+    # Two fp32 signs, in two blocks (in one block they cancel: below).
+    cache[mine[2], 0, 0] = -cache[mine[2], 0, 0]
+    cache[mine[3], 5, 1] = -cache[mine[3], 5, 1]
+
+
+def _sign_and_mantissa(
+    cache: torch.Tensor, mine: list[int], sent: torch.Tensor
+) -> None:
+    # Two values of one block negated and one of them rounded: not bit 31 alone.
     cache[mine[2], 0, :2] = -cache[mine[2], 0, :2]
+    cache[mine[2], 0, 0] = torch.nextafter(cache[mine[2], 0, 0], torch.tensor(9.0))
 
 
 def _the_fault(cache: torch.Tensor, mine: list[int], sent: torch.Tensor) -> None:
@@ -130,6 +175,7 @@ FAILURES = [
     _one_word,
     _swapped,
     _sign_flips,
+    _sign_and_mantissa,
     _the_fault,
 ]
 
@@ -143,6 +189,18 @@ def test_each_failure_changes_the_digest(sent: torch.Tensor, failure: Any) -> No
     assert request_digest(cache, mine) != request_digest(sent, IDS)
 
 
+def test_the_known_miss_two_sign_bits_in_one_block(sent: torch.Tensor) -> None:
+    """What 32-bit sums give up (checksum.py's docstring): a flip of bit 31
+    moves s_i by W[j] * 2**31 = 2**31 (mod 2**32) whatever the odd W[j],
+    so two such flips in one block cancel. Kept as a test so that a change
+    of the math that closes (or widens) the gap is seen."""
+    cache, mine = landed(sent, IDS)
+    cache[mine[2], 0, :2] = -cache[mine[2], 0, :2]
+    assert request_digest(cache, mine) == request_digest(sent, IDS)
+    cache[mine[2], 0, 2] = -cache[mine[2], 0, 2]  # an odd number: seen
+    assert request_digest(cache, mine) != request_digest(sent, IDS)
+
+
 def test_a_plain_sum_would_miss_a_swap(sent: torch.Tensor) -> None:
     """Negative control for the position weights: without them (every
     position weighted 1) two swapped blocks give the same digest."""
@@ -150,8 +208,8 @@ def test_a_plain_sum_would_miss_a_swap(sent: torch.Tensor) -> None:
     _swapped(cache, mine, sent)
     pages = pages_of(cache)
     w = checksum.word_weights(pages.shape[1], pages.device)
-    unweighted = (pages[mine] * w).sum(dim=1).sum()
-    assert unweighted == (pages_of(sent)[IDS] * w).sum(dim=1).sum()
+    unweighted = (pages[mine] * w).sum(dim=1, dtype=torch.int32).sum()
+    assert unweighted == (pages_of(sent)[IDS] * w).sum(dim=1, dtype=torch.int32).sum()
     assert request_digest(cache, mine) != request_digest(sent, IDS)
 
 
@@ -234,6 +292,38 @@ def test_prefill_refuses_a_decode_that_disagrees(
     assert worker.reqs_need_send == {} and worker.finished_sending_reqs == {"p-req"}
 
 
+@pytest.mark.parametrize("scheme", [0, 1, kv_digest.SCHEME + 1])
+def test_prefill_refuses_a_pull_of_another_digest_scheme(scheme: int) -> None:
+    """A decode with the check on but another plugin version (0: one from
+    before the scheme field, as it encodes its pull) is refused with both
+    schemes named, before a byte is sent: its digests would differ on every
+    request."""
+    meta = pull_metadata(True)
+    raw = msgspec.msgpack.encode(
+        wire.XferMetadata(
+            **{**msgspec.structs.asdict(meta), "pd_kv_digest_scheme": scheme}
+        )
+    )
+    if scheme == 0:
+        assert b"pd_kv_digest_scheme" not in raw  # what an older plugin sends
+    send = upstream.SendBlockMeta("p-req", "x", [[3]], asyncio.Event())
+    worker = checksum_worker(
+        True, reqs_need_send={"x": send}, finished_sending_reqs=set()
+    )
+    pull = worker._xfer_meta_decoder.decode(raw)
+    built = asyncio.run(worker._build_transfer_params([("d-req", send)], pull, [], []))
+    src, _, _, err_reqs, err_msg = built
+    assert (src, err_reqs) == ([], ["d-req"])
+    theirs = f"scheme {scheme}" if scheme else "no scheme"
+    assert "digest schemes differ" in err_msg and "same pd_mooncake version" in err_msg
+    assert f"prefill computes scheme {kv_digest.SCHEME}" in err_msg
+    assert f"decode 127.0.0.1:1 {theirs}" in err_msg
+    assert worker.reqs_need_send == {} and worker.finished_sending_reqs == {"p-req"}
+    # This plugin's own pull carries its scheme and is not refused.
+    assert pull_metadata(True).pd_kv_digest_scheme == kv_digest.SCHEME
+    assert worker._checksum_refusal(pull_metadata(True)) is None
+
+
 def test_decode_fails_a_request_an_upstream_prefill_sent_no_digest_for() -> None:
     failed = []
     worker = checksum_worker(
@@ -273,6 +363,14 @@ def decode_side(
     pull = upstream.PullReqMeta(
         "d-req", "xfer-1", blocks, "p", "http://p", pull_tasks_count=1
     )
+    reasons: list[str] = []
+    handle = worker._handle_failed_recv
+
+    def failed_recv(metas: dict, ids: Any, reason: str) -> None:
+        reasons.append(reason)
+        handle(metas, ids, reason)
+
+    worker._handle_failed_recv = failed_recv
     worker.process_pulling_result(response, {"d-req": pull})
     failed = []
     while not worker._failed_recv_reqs.empty():
@@ -286,11 +384,37 @@ def decode_side(
             "match": stats.get(checksum.MATCH_KEY, []),
             "mismatch": stats.get(checksum.MISMATCH_KEY, []),
             "failed_recvs": len(stats.get("num_failed_recvs", [])),
+            "reasons": reasons,
         }
     )
 
 
-def pull_through_mooncake(enabled: bool, fault: str | None) -> dict[str, Any]:
+def scheme_1_digest(pages: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The digest as a plugin from before 2026-12-03 computes it (64-bit
+    word weights, sums modulo 2**64): what an older prefill sends."""
+    with np.errstate(over="ignore"):
+        w = kv_digest._splitmix64(pages.shape[1], 0x5EED_0001).view(np.int64)
+        p = kv_digest._splitmix64(len(ids), 0x5EED_0002).view(np.int64)
+    rows = pages.index_select(0, ids).to(torch.int64)
+    return ((rows * torch.from_numpy(w)).sum(1) * torch.from_numpy(p)).sum()
+
+
+def as_an_older_prefill(worker: Any, raw: bytes, blocks: list[list[int]]) -> bytes:
+    """Prefill's answer as a plugin from before digest schemes sends it:
+    scheme-1 digests of the same blocks and no scheme field."""
+    answer = worker._xfer_resp_decoder.decode(raw)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checksum, "digest", scheme_1_digest)
+        old = worker._kv_digests(blocks)
+    assert old != answer.pd_kv_digests["d-req"]  # the math did change
+    fields = msgspec.structs.asdict(answer)
+    fields.update(pd_kv_digests={"d-req": old}, pd_kv_digest_scheme=0)
+    return msgspec.msgpack.encode(wire.XferResponse(**fields))
+
+
+def pull_through_mooncake(
+    enabled: bool, fault: str | None, older_prefill: bool = False
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     to_prefill, from_prefill = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(
@@ -329,7 +453,11 @@ def pull_through_mooncake(enabled: bool, fault: str | None) -> dict[str, Any]:
                 )
             )
 
-        from_prefill.put(asyncio.run(send_and_answer()))
+        answer = asyncio.run(send_and_answer())
+        if older_prefill:
+            blocks = [PREFILL_BLOCKS, PREFILL_BLOCKS]
+            answer = as_an_older_prefill(worker, answer, blocks)
+        from_prefill.put(answer)
         return to_prefill.get(timeout=DEADLINE_S)
     finally:
         proc.join(timeout=10)
@@ -347,6 +475,18 @@ def test_intact_transfer_is_verified_and_received() -> None:
     got = pull_through_mooncake(enabled=True, fault=None)
     assert got["finished"] == ["d-req"] and got["loaded"] and got["failed"] == []
     assert sorted(got["match"]) == sorted(REGIONS) and got["mismatch"] == []
+
+
+def test_decode_refuses_an_older_prefills_digests_instead_of_comparing() -> None:
+    """An intact transfer from a prefill whose digests are another scheme's
+    (here scheme 1, as a plugin from before the scheme field sends them):
+    failed with both schemes named, not counted as a mismatch."""
+    got = pull_through_mooncake(enabled=True, fault=None, older_prefill=True)
+    assert got["failed"] == ["d-req"] and not got["loaded"]
+    assert got["match"] == got["mismatch"] == []
+    (reason,) = got["reasons"]
+    assert "digest schemes differ" in reason and "no scheme" in reason
+    assert f"decode computes scheme {kv_digest.SCHEME}" in reason
 
 
 def test_corrupted_receive_fails_through_upstreams_failed_recv_path() -> None:

@@ -20,10 +20,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
 
 
 class XferMetadata(upstream.MooncakeXferMetadata, omit_defaults=True):
-    """Decode's pull: whether it wants digests (prefill refuses a pull that
-    disagrees), and the staging span it offers for this pull's KV."""
+    """Decode's pull: whether it wants digests and of which scheme (prefill
+    refuses a pull that disagrees), and the staging span it offers for this
+    pull's KV."""
 
     pd_kv_checksum: bool = False
+    # kv_digest.SCHEME of the digests decode computes (0: a plugin from
+    # before the field, whose digests are scheme 1).
+    pd_kv_digest_scheme: int = 0
     # [address, bytes, nonce] of decode's span (staging.Offer.wire).
     pd_staging: list[int] | None = None
     # A request too long for one span, pulled in chunks: per request
@@ -42,6 +46,8 @@ class XferResponse(upstream.MooncakeXferResponse, omit_defaults=True):
 
     pd_kv_digests: dict[str, list[int | None]] | None = None
     pd_kv_regions: list[str] | None = None
+    # kv_digest.SCHEME of pd_kv_digests (0: a plugin from before the field).
+    pd_kv_digest_scheme: int = 0
     pd_staging_unsettled: bool = False
     # Offset in decode's span of the record holding ``ok_reqs``' KV (absent:
     # sent directly into the blocks, unless ``pd_staging_empty``).
