@@ -255,7 +255,7 @@ COMPAT_033_MISSING ?= registration_backport
 # keys, the pull's bookkeeping) or its compiled CPU attention kernels; run on
 # 0.33 they fail for that reason (docs/gpu.md).
 COMPAT_033_UNIT ?= test_extra_config test_faults test_metric_families test_pull_failures \
-  test_reliability test_send_deadline test_tcp_limits test_block_hold
+  test_reliability test_send_deadline test_tcp_limits test_block_hold test_finished_rounds
 
 .PHONY: test-compat
 test-compat: install ## The plugin on vLLM 0.19.1 (own venv) and 0.33.0 (its source), cached

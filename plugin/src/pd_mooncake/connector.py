@@ -30,6 +30,7 @@ from pd_mooncake import (
     stall_guard,
     tcp_limits,
 )
+from pd_mooncake.finished_rounds import FinishedRounds
 from pd_mooncake.metrics import (
     PDMooncakePromMetrics,
     PDMooncakeStats,
@@ -88,6 +89,7 @@ def _upstream_builds(worker_cls: type) -> Iterator[None]:
 
 
 class PDMooncakeConnectorWorker(
+    FinishedRounds,
     RegionsWorker,
     geometry.GeometryWorker,
     PullWorker,
