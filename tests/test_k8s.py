@@ -703,10 +703,16 @@ def serves(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> Serves:
     """manifests.served, bound to this test. pdstack.serve generates the tiny
-    pair before printing; the comparison needs only the paths it substitutes."""
+    models before printing; the comparison needs only the paths it substitutes."""
     models = Path("/cache/pd-models/tiny")
     pair = SimpleNamespace(target=models / "target", draft=models / "draft")
     monkeypatch.setattr("pdstack.tiny_model.ensure_models", lambda *_, **__: pair)
+    # The MTP target too: on a new machine generating it would take a minute
+    # and print its progress into the output compared.
+    monkeypatch.setattr(
+        "pdstack.tiny_model.mtp_cache.ensure_mtp_model",
+        lambda *_, **__: models / "mtp-target",
+    )
     return functools.partial(served, monkeypatch=monkeypatch, capsys=capsys)
 
 
