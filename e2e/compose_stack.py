@@ -103,6 +103,34 @@ def docker(*args: str, timeout: float = 120) -> str:
     return _checked([program, *args], timeout)
 
 
+# runc's cgroup v1 freezer gives up ("unable to freeze") when the
+# container's threads keep running through its bounded retries: seen on a
+# prefill busy with requests (Docker Engine 20.10, 2026-12-03). It thaws what
+# it froze, so another try starts clean.
+FREEZE_REFUSED = "unable to freeze"
+PAUSE_RETRY_S = 0.5
+
+
+def pause(container: str, deadline_s: float = 30.0) -> int:
+    """``docker pause``, tried again while the freezer refuses, until
+    ``deadline_s``; returns the tries it took."""
+    start, tries = time.monotonic(), 0
+    while True:
+        tries += 1
+        try:
+            docker("pause", container)
+            return tries
+        except ComposeError as exc:
+            if FREEZE_REFUSED not in str(exc):
+                raise
+            if time.monotonic() - start >= deadline_s:
+                raise ComposeError(
+                    f"docker pause: the freezer refused {tries} times in "
+                    f"{deadline_s:g}s: {exc}"
+                ) from exc
+        time.sleep(PAUSE_RETRY_S)
+
+
 def _checked(argv: list[str], timeout: float) -> str:
     result = subprocess.run(
         argv, capture_output=True, text=True, timeout=timeout, check=False

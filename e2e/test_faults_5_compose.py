@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from compose_stack import Compose, docker
+from compose_stack import Compose, docker, pause
 
 import faults_helpers as fh
 from pdstack import metrics as m
@@ -238,8 +238,9 @@ def test_prefill_paused(faults: fh.FaultStack, compose: Compose) -> None:
     flight = Flight(faults)
     for body in bodies(faults, 2, 6700, 16):
         flight.send(body)
-    docker("pause", before["prefill"])
+    tries = pause(before["prefill"])
     paused_at = time.monotonic()
+    print(f"prefill paused ({tries} tries)")
     try:
         for offset, salt in ((2, 6710), (30, 6720), (60, 6730)):
             time.sleep(max(0.0, paused_at + offset - time.monotonic()))
