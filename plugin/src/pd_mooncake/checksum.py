@@ -271,9 +271,13 @@ class ChecksumWorker:
             )
         else:
             return None
+        return self._refused(peer, "pulls", reason)
+
+    def _refused(self, peer: str, what: str, reason: str) -> str:
+        """``reason``, logged the first time ``peer`` is refused."""
         if peer not in self._checksum_refused:
             self._checksum_refused.add(peer)
-            logger.error("PD Mooncake: refusing pulls from %s: %s", peer, reason)
+            logger.error("PD Mooncake: refusing %s from %s: %s", what, peer, reason)
         return reason
 
     async def _build_transfer_params(
@@ -361,10 +365,7 @@ class ChecksumWorker:
             f" digests, decode computes scheme {SCHEME}; not compared: run the "
             "same pd_mooncake version on both roles"
         )
-        if peer not in self._checksum_refused:
-            self._checksum_refused.add(peer)
-            logger.error("PD Mooncake: refusing KV digests from %s: %s", peer, reason)
-        return reason
+        return self._refused(peer, "KV digests", reason)
 
     def _compare(
         self, req_id: str, expected: list[int], names: Any, blocks: list[list[int]]
