@@ -189,11 +189,26 @@ def transfer_cost_step(
 ) -> list[str]:
     """Per state (bench.transfer_cost.STATES) the P/D stack restarted with its
     environment, then bench.transfer_cost's ladder fresh, a burst, the ladder
-    fragmented; then, the stack stopped, the engine alone at the same bytes.
-    The figures are written even if a later state fails."""
+    fragmented; after each pass the engine alone at its bytes (the stack up,
+    idle). The figures are written even if a later state fails."""
     samples: list[transfer_cost.Sample] = []
+    references: list[transfer_cost.Reference] = []
     info: dict[str, Any] = {}
     layout, notes = None, []
+
+    def reference(state: str, name: str, got: list[transfer_cost.Sample]) -> None:
+        if not (sizes := {int(x.nbytes) for x in got if x.nbytes > 0}):
+            return
+        per_byte, threads = transfer_cost.engine_cpu(sizes)
+        references.append(transfer_cost.Reference(state, name, per_byte, threads))
+        pass_ = transfer_cost.Result(got, None, {}, references=references)
+        figures = pass_.cpu_per_gib(state, name)
+        progress(
+            f"  transfer cost '{state}' {name}: {figures['net']:.2f} CPU-s/GiB net, "
+            f"the engine alone just after {figures['engine_alone']:.2f}: "
+            f"{figures['ratio']:.2f}x"
+        )
+
     try:
         for index, state in enumerate(transfer_cost.STATES):
             env = transfer_cost.STATE_ENV[state]
@@ -211,9 +226,10 @@ def transfer_cost_step(
             got, info[state] = transfer_cost.measure_state(
                 state, urls, meter, lengths, s.quick,
                 s.seed + 5000 + 1000 * index, progress,
+                functools.partial(reference, state),
             )  # fmt: skip
             samples += got
-    except (OSError, wait.WaitError, client.CompletionError,
+    except (OSError, RuntimeError, wait.WaitError, client.CompletionError,
             router_capture.ProtocolError) as exc:  # fmt: skip
         progress(f"transfer cost stopped: {exc}")
         info["stopped"] = str(exc)
@@ -221,15 +237,7 @@ def transfer_cost_step(
     # Upstream registers a region per layer: the layout's layers.
     model = kv_transfer.layout_from_json(layout)
     regions = model.layers if model else None
-    engine: dict[int, float] = {}
-    own: dict[int, float] = {}
-    if sizes := {int(x.nbytes) for x in samples if x.nbytes > 0}:
-        progress(f"transfer cost: the engine alone at {len(sizes)} sizes")
-        try:
-            engine, own = transfer_cost.engine_cpu(sizes)
-        except (OSError, RuntimeError) as exc:
-            progress(f"transfer cost: engine alone failed: {exc}")
-    result = transfer_cost.Result(samples, regions, engine, info, own)
+    result = transfer_cost.Result(samples, regions, {}, info, {}, references)
     transfer_cost.write(out, result)
     return notes
 

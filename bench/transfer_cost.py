@@ -27,12 +27,14 @@ runs the forward pass. Their CPU over a request also holds what they burn
 idle; that idle rate is measured before each pass and subtracted (both
 figures are kept, and every thread name's CPU beside them).
 
-The engine alone is called as upstream calls it, ``batch_transfer_sync_write``,
-which spins on the batch's status in the calling thread until it is done
-(stall_guard's docstring): about half its CPU on the twin (0.66 of 1.26-1.38
-CPU-s/GiB at 152 MiB, 2026-12-03). The plugin's sends do not spin
-(stall_guard), so the comparison is also made against the engine's own
-threads, the caller's wait left out (``engine_threads``): the stricter one.
+The engine alone runs right after each pass, the stack up and idle
+(Reference: the machine as the pass found it). It is called as upstream
+calls it, ``batch_transfer_sync_write``, which spins on the batch's status
+in the calling thread until it is done (stall_guard's docstring): about
+half its CPU on the twin (0.66 of 1.26-1.38 CPU-s/GiB at 152 MiB,
+2026-12-03). The plugin's sends do not spin (stall_guard), so the
+comparison is also made against the engine's own threads, the caller's
+wait left out (``engine_threads``): the stricter one.
 """
 
 from __future__ import annotations
@@ -297,9 +299,10 @@ def burst(router: str, seed: int, quick: bool, max_len: int) -> int:
 def measure_state(
     state: str, urls: Urls, meter: Meter, lengths: Sequence[int],
     quick: bool, seed: int, progress: Callable[[str], None],
+    after_pass: Callable[[str, list[Sample]], None] = lambda name, got: None,
 ) -> tuple[list[Sample], dict[str, Any]]:  # fmt: skip
     """One state on a stack just started: warm-up, fresh ladder, burst,
-    fragmented ladder."""
+    fragmented ladder; ``after_pass`` is called with each pass's samples."""
     router = urls.router
     engine = router_capture.engine_id(
         router_capture.bootstrap_url(urls.prefill, urls.bootstrap_port)
@@ -316,15 +319,18 @@ def measure_state(
             progress(f"  transfer cost '{state}': burst, {answered} answered")
         idle = meter.idle_rate()
         info[f"idle_rate_{name}"] = idle
+        got = []
         for i, n in enumerate(lengths):
             sample = one_request(urls, engine, meter, idle, n,
                                  seed + 100 * index + i, state, name)  # fmt: skip
-            samples.append(sample)
+            got.append(sample)
             progress(
                 f"  transfer cost '{state}' {name} {n} tokens: "
                 f"{sample.descriptors:.0f} descriptors, {sample.nbytes / 2**20:.1f} "
                 f"MiB, transfer threads {sample.net_cpu_s() * 1e3:.0f} ms CPU net"
             )
+        samples += got
+        after_pass(name, got)
     return samples, info
 
 
@@ -377,14 +383,40 @@ def engine_cpu(
 
 
 # -- the run's JSON, the figures ----------------------------------------------------
+@dataclass(frozen=True)
+class Reference:
+    """The engine alone (engine_cpu) at one pass's sizes, measured right
+    after that pass with the stack up and idle, so that its requests are
+    judged against the machine as they found it: in one make bench the
+    first state's requests took 2-3x longer than an hour before while the
+    engine alone, measured eight minutes later, had not moved (runs
+    20261203-080639 and -081836, docs/evidence.md)."""
+
+    state: str
+    name: str
+    per_byte: dict[int, float]
+    threads_per_byte: dict[int, float]
+
+
 @dataclass
 class Result:
     samples: list[Sample]
     regions: int | None
+    # The engine alone once for every pass: runs before each pass had its own
+    # reference (2026-12-04), and the tests' fixed figures.
     engine_cpu_per_byte: dict[int, float]
     info: dict[str, Any] = field(default_factory=dict)
     # The engine's own threads: engine_cpu_per_byte less its caller's spin.
     engine_threads_per_byte: dict[int, float] = field(default_factory=dict)
+    references: list[Reference] = field(default_factory=list)
+
+    def reference(self, sample: Sample) -> tuple[dict[int, float], dict[int, float]]:
+        """The engine alone a sample is judged against: its pass's, else the
+        run's (every thread, its own threads)."""
+        for r in self.references:
+            if (r.state, r.name) == (sample.state, sample.name):
+                return r.per_byte, r.threads_per_byte
+        return self.engine_cpu_per_byte, self.engine_threads_per_byte
 
     def bound(self, nbytes: float) -> int | None:
         """The most descriptors a request of ``nbytes`` may take."""
@@ -401,10 +433,12 @@ class Result:
             and s.descriptors > b
         ]
 
-    def engine_seconds(self, nbytes: float, threads: bool = False) -> float | None:
-        """The engine alone's CPU seconds for ``nbytes`` (its nearest size):
-        every thread, or (``threads``) its own threads, the caller left out."""
-        per_byte = self.engine_threads_per_byte if threads else self.engine_cpu_per_byte
+    def engine_seconds(self, sample: Sample, threads: bool = False) -> float | None:
+        """The engine alone's CPU seconds for the sample's bytes (its nearest
+        size): every thread, or (``threads``) its own threads, the caller
+        left out."""
+        per_byte = self.reference(sample)[1 if threads else 0]
+        nbytes = sample.nbytes
         if not per_byte or nbytes <= 0:
             return None
         size = min(per_byte, key=lambda s: abs(math.log(s / nbytes)))
@@ -425,7 +459,7 @@ class Result:
         net = sum(s.net_cpu_s() for s in chosen) / gib
 
         def alone(threads: bool) -> float | None:
-            engine = [self.engine_seconds(s.nbytes, threads) for s in chosen]
+            engine = [self.engine_seconds(s, threads) for s in chosen]
             return sum(engine) / gib if None not in engine else None  # type: ignore[arg-type]
 
         whole, own = alone(False), alone(True)
@@ -448,7 +482,17 @@ def to_json(result: Result) -> dict[str, Any]:
             str(k): v for k, v in result.engine_threads_per_byte.items()
         },
         "info": result.info,
-    }
+        "references": [
+            {"state": r.state, "pass": r.name,
+             "per_byte": {str(k): v for k, v in r.per_byte.items()},
+             "threads_per_byte": {str(k): v for k, v in r.threads_per_byte.items()}}
+            for r in result.references
+        ],
+    }  # fmt: skip
+
+
+def _sizes(data: Mapping[str, Any] | None) -> dict[int, float]:
+    return {int(k): float(v) for k, v in (data or {}).items()}
 
 
 def read(run_dir: Path) -> Result | None:
@@ -458,13 +502,15 @@ def read(run_dir: Path) -> Result | None:
     return Result(
         [Sample(**s) for s in data["samples"]],
         data.get("regions"),
-        {int(k): float(v) for k, v in (data.get("engine_cpu_per_byte") or {}).items()},
+        _sizes(data.get("engine_cpu_per_byte")),
         data.get("info") or {},
-        {
-            int(k): float(v)
-            for k, v in (data.get("engine_threads_per_byte") or {}).items()
-        },
-    )
+        _sizes(data.get("engine_threads_per_byte")),
+        [
+            Reference(r["state"], r["pass"], _sizes(r["per_byte"]),
+                      _sizes(r["threads_per_byte"]))
+            for r in data.get("references") or []
+        ],
+    )  # fmt: skip
 
 
 TITLE = "Transfer cost: descriptors and CPU per GiB (not 2-core figures)"
@@ -477,7 +523,7 @@ def markdown(result: Result) -> list[str]:
     def cells(s: Sample) -> list[str]:
         bound = result.bound(s.nbytes)
         gib = s.nbytes / GIB
-        alone = result.engine_seconds(s.nbytes)
+        alone = result.engine_seconds(s)
         return [
             s.state, s.name, str(s.input_len), f"{s.nbytes / 2**20:.1f} MiB",
             fmt(s.descriptors, 0), "n/a" if bound is None else str(bound),
@@ -496,8 +542,8 @@ def markdown(result: Result) -> list[str]:
         "servers' worker processes (the unnamed threads but the main one), "
         "from /proc/<pid>/task/*/stat, over the decode leg (decode's pull), "
         "their idle rate before the pass taken out (net); engine alone: two "
-        "loopback engines writing the "
-        "same bytes in 1 MiB descriptors, every thread of both processes "
+        "loopback engines, right after each pass (the stack up, idle), writing "
+        "its requests' bytes in 1 MiB descriptors, every thread of both processes "
         "(the caller spins in batch_transfer_sync_write), and its own threads "
         "(the caller left out; the plugin's sends do not spin). "
         "Descriptor counts do not depend on how busy the cores are; "

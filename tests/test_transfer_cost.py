@@ -91,6 +91,33 @@ def test_the_engine_alone_is_also_compared_without_its_callers_spin() -> None:
     assert tc.STATES[: len(kv_path.STATES)] == kv_path.STATES  # their seeds kept
 
 
+def test_each_pass_is_judged_against_the_engine_measured_right_after_it() -> None:
+    """The machine's speed moves between passes minutes apart: a sample is
+    compared with its own pass's reference, and only without one with the
+    run's."""
+    gib = float(1 << 30)
+    fresh = tc.Sample(**{**sample(1, gib, cpu=3.0).__dict__, "name": "fresh"})
+    fragmented = sample(1, gib, cpu=6.0)  # the machine twice as slow then
+    references = [
+        tc.Reference("staged", "fresh", {int(gib): 2.0 / gib}, {int(gib): 1.0 / gib}),
+        tc.Reference("staged", "fragmented", {int(gib): 4.0 / gib}, {}),
+    ]
+    result = tc.Result([fresh, fragmented], REGIONS, {int(gib): 1.0 / gib}, {}, {},
+                       references)  # fmt: skip
+    assert result.cpu_per_gib("staged", "fresh")["ratio"] == 1.5
+    assert result.cpu_per_gib("staged", "fragmented")["ratio"] == 1.5
+    figures = result.cpu_per_gib("staged")
+    assert (figures["engine_alone"], figures["ratio"]) == (3.0, 1.5)
+    assert figures["engine_threads"] is None  # the fragmented pass has none
+    assert targets._cpu_target(result).met is True
+    # Against the run's reference alone the same samples miss it (4.5x).
+    run_only = tc.Result([fresh, fragmented], REGIONS, {int(gib): 1.0 / gib})
+    assert targets._cpu_target(run_only).measured.startswith("4.50x")
+    direct = tc.Sample(**{**fresh.__dict__, "state": "direct"})
+    assert tc.Result([direct], REGIONS, {int(gib): 1.0 / gib}, {}, {},
+                     references).cpu_per_gib("direct")["ratio"] == 3.0  # fmt: skip
+
+
 def test_the_engine_alone_counts_its_callers_spin_apart() -> None:
     """Two real loopback engines: the sender's main thread, which waits in
     batch_transfer_sync_write, burns CPU that the engine's own threads do
@@ -147,13 +174,15 @@ def test_transfer_threads_are_the_unnamed_non_main_threads_from_proc() -> None:
 
 
 def test_the_run_file_round_trips(tmp_path: Path) -> None:
+    references = [tc.Reference("staged", "fresh", {MIB: 2e-9}, {MIB: 1e-9})]
     result = tc.Result([sample(19, 10 * MIB)], REGIONS, {10 * MIB: 1e-9}, {"x": 1},
-                       {10 * MIB: 5e-10})  # fmt: skip
+                       {10 * MIB: 5e-10}, references)  # fmt: skip
     tc.write(tmp_path, result)
     again = tc.read(tmp_path)
     assert again is not None and again.samples == result.samples
     assert again.engine_cpu_per_byte == result.engine_cpu_per_byte
     assert again.engine_threads_per_byte == result.engine_threads_per_byte
+    assert again.references == references
     assert "NO" not in "\n".join(tc.markdown(again))
     assert tc.read(tmp_path / "none") is None
 
