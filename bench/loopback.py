@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import multiprocessing as mp
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -96,10 +97,20 @@ def digest(buffer: np.ndarray, size: int) -> str:
 
 
 def _serve(
-    conn: Any, cls: type, args: tuple[Any, ...], netns: str | None = None
+    conn: Any,
+    cls: type,
+    args: tuple[Any, ...],
+    netns: str | None = None,
+    log: str | None = None,
 ) -> None:
     """The peer process: answers (ok, value) to each (method, args) until None."""
     try:
+        if log is not None:
+            # Mooncake's C++ logging writes to fd 2 itself, past sys.stderr.
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
         if netns is not None:
             enter_netns(netns)
         obj = cls(*args)
@@ -112,9 +123,10 @@ def _serve(
 
 class Peer(contextlib.AbstractContextManager["Peer"]):
     """``cls(*args)`` in a spawned process (``cls`` importable by name), in
-    network namespace ``netns`` if given (by its name under /var/run/netns);
-    ``call("read")`` runs its method there, each answer within the deadline, a
-    peer that died or raised reported as such."""
+    network namespace ``netns`` if given (by its name under /var/run/netns),
+    its output appended to ``log`` if given; ``call("read")`` runs its method
+    there, each answer within the deadline, a peer that died or raised
+    reported as such."""
 
     def __init__(
         self,
@@ -122,12 +134,14 @@ class Peer(contextlib.AbstractContextManager["Peer"]):
         *args: Any,
         deadline_s: float = DEADLINE_S,
         netns: str | None = None,
+        log: Path | None = None,
     ) -> None:
         self.name, self.deadline_s = cls.__name__, deadline_s
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        where = None if log is None else str(log)
         self.proc = ctx.Process(
-            target=_serve, args=(child, cls, args, netns), daemon=True
+            target=_serve, args=(child, cls, args, netns, where), daemon=True
         )
         self.proc.start()
         child.close()  # our copy: a peer that dies is then seen at once (EOF)

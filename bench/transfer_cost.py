@@ -61,6 +61,8 @@ from pdstack import metrics as m
 from pdstack.supervisor import Urls
 
 FILE = "transfer_cost.json"
+# The engine alone's processes' output (Mooncake's log lines).
+ENGINE_LOG = "transfer_cost_engine.log"
 OUTPUT_TOKENS = 2
 # Token ids of the prompts: inside every tiny model's vocabulary (1024), past
 # the special tokens.
@@ -336,20 +338,23 @@ def measure_state(
 
 # -- the engine alone ------------------------------------------------------------
 def engine_cpu(
-    sizes: Iterable[int], least: int = ENGINE_BYTES
+    sizes: Iterable[int], least: int = ENGINE_BYTES, log: Path | None = None
 ) -> tuple[dict[int, float], dict[int, float]]:
     """Per size, CPU seconds per byte that two loopback engines spend
     writing it in CHUNK_BYTES descriptors, as the staged path submits a
     record: every thread of both processes, and every thread but the
     sender's main one (the caller, spinning in batch_transfer_sync_write
     until the write is done). Both processes are spawned: neither is this
-    one."""
+    one; their output (Mooncake's log) goes to ``log`` if given."""
     from bench.loopback import Endpoint, Peer
 
     sizes = sorted(set(sizes))
     top = max(sizes)
     out, threads = {}, {}
-    with Peer(Endpoint, top) as receiver, Peer(Endpoint, top) as sender:
+    with (
+        Peer(Endpoint, top, log=log) as receiver,
+        Peer(Endpoint, top, log=log) as sender,
+    ):
         session, dst_base = receiver.call("address")
         _, src_base = sender.call("address")
         pids = {"sender": sender.proc.pid, "receiver": receiver.proc.pid}

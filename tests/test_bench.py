@@ -87,6 +87,21 @@ def test_a_failing_peer_is_reported_not_waited_for() -> None:
             peer.call("read")
 
 
+def test_a_peers_output_goes_to_its_log(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Mooncake's C++ log lines (written to fd 2, not through Python) land in
+    the peer's log, not in the bench's progress output."""
+    log = tmp_path / "engine.log"
+    with loopback.Peer(loopback.Endpoint, 16, log=log) as peer:
+        assert peer.call("read") == bytes(16)
+    assert "transfer_engine" in log.read_text()
+    assert "transfer_engine" not in "".join(capfd.readouterr())
+    with loopback.Peer(loopback.Endpoint, 16) as peer:  # no log: as before
+        assert peer.call("read") == bytes(16)
+    assert "transfer_engine" in "".join(capfd.readouterr())
+
+
 def test_kv_descriptors_cover_the_bytes_once() -> None:
     src, dst, lens = te.kv_descriptors(100_000, 1000, 5000, block=36864)
     assert lens == [36864, 36864, 100_000 - 2 * 36864]
