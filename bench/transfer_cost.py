@@ -408,7 +408,7 @@ class Result:
     samples: list[Sample]
     regions: int | None
     # The engine alone once for every pass: runs before each pass had its own
-    # reference (2026-12-04), and the tests' fixed figures.
+    # reference (before run 20261203-112435), and the tests' fixed figures.
     engine_cpu_per_byte: dict[int, float]
     info: dict[str, Any] = field(default_factory=dict)
     # The engine's own threads: engine_cpu_per_byte less its caller's spin.
