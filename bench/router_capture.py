@@ -24,10 +24,16 @@ from urllib.parse import urlsplit
 import requests
 
 from bench import http_tap
-from pdstack import supervisor
+from pdstack import supervisor, wait
 from pdstack.supervisor import HOST, Progress, free_port
 
 REQUEST_TIMEOUT_S = 120.0
+# A router whose port was taken between picking and binding is started
+# again on new ports, this many times in all; what its log then says, lower
+# case (vllm-router: "Address already in use", the front: "address already
+# in use").
+ROUTER_ATTEMPTS = 3
+PORT_TAKEN = "address already in use"
 PROMPT = (
     "Prefill and decode run on different servers. The prefill computes the KV "
     "cache of this prompt and Mooncake moves it to the decode server, which "
@@ -161,21 +167,41 @@ def router_behind(
     """The real vllm-router with the stack's flags, its backends the taps
     (prefill, decode, bootstrap), its log ``run_dir/<name>.log``; yields its
     URL and the taps' server."""
-    urls = supervisor.Urls(
-        router=f"http://{HOST}:{free_port()}",
-        prefill=taps[0].url,
-        decode=taps[1].url,
-        bootstrap_port=taps[2].port,
-    )
-    argv = supervisor.router_command(urls, metrics_port=free_port())
     router = supervisor.Processes(run_dir, f"{name}.json", progress)
     with http_tap.TapServer(taps) as server:
-        router.launch(name, argv, {}, urls.router)
         try:
-            router.wait_healthy(name, 60)
-            yield urls.router, server
+            url = _start_router(router, name, taps)
+            yield url, server
         finally:
             router.stop()
+
+
+def _start_router(
+    router: supervisor.Processes, name: str, taps: list[http_tap.Tap]
+) -> str:
+    """Launch the router on free ports until one binds (ROUTER_ATTEMPTS): a
+    port free when picked can be taken before the router or its front binds
+    it, e.g. as the local end of an outgoing connection. Returns its URL."""
+    attempt = 1
+    while True:
+        urls = supervisor.Urls(
+            router=f"http://{HOST}:{free_port()}",
+            prefill=taps[0].url,
+            decode=taps[1].url,
+            bootstrap_port=taps[2].port,
+        )
+        argv = supervisor.router_command(
+            urls, metrics_port=free_port(), internal_port=free_port()
+        )
+        router.launch(name, argv, {}, urls.router, again=attempt > 1)
+        try:
+            router.wait_healthy(name, 60)
+            return urls.router
+        except wait.WaitError as exc:
+            router.stop([name])
+            if PORT_TAKEN not in str(exc).lower() or attempt == ROUTER_ATTEMPTS:
+                raise
+        attempt += 1
 
 
 def capture(

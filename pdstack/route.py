@@ -45,6 +45,7 @@ OPTION_ENV = {
     "port": "ROUTER_PORT",
     "metrics_port": "ROUTER_METRICS_PORT",
     "bootstrap_port": "BOOTSTRAP_PORT",
+    "internal_port": "ROUTER_INTERNAL_PORT",
 }
 
 

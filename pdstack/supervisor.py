@@ -70,11 +70,14 @@ def router_command(
     extra: Iterable[str] = (),
     metrics_port: int | None = None,
     host: str = HOST,
+    internal_port: int | None = None,
 ) -> list[str]:
     """The stack's router for ``u`` (``pdstack.route``: vllm-router behind
     the front), listening on ``host``; ``extra`` vllm-router flags win
     (argparse: last wins). ``metrics_port`` None: configs/ports.env's
-    ROUTER_METRICS_PORT."""
+    ROUTER_METRICS_PORT; ``internal_port`` (vllm-router's own, behind the
+    front) None: the router's port + 1, which a caller picking the router's
+    port with free_port has not checked: it passes one of its own."""
     port = urlsplit(u.router).port
     assert port is not None, u.router
     options = {
@@ -87,6 +90,8 @@ def router_command(
         if metrics_port is None
         else metrics_port,
     }
+    if internal_port is not None:
+        options["--internal-port"] = internal_port
     argv = [sys.executable, "-m", "pdstack.route"]
     argv += [str(word) for item in options.items() for word in item]
     return [*argv, "--", *extra]

@@ -4,9 +4,11 @@ what each part runs: docs/bench.md, "The smoke tests"."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -32,7 +34,7 @@ from bench import (
 from bench import transfer_engine as te
 from bench.targets import judge
 from bench.vllm_bench import Level, Plan, bench_serve_args
-from pdstack import kv_layout
+from pdstack import kv_layout, wait
 from pdstack import metrics as m
 from pdstack.supervisor import free_port
 from tests.shared import GQA_DRAFT, MLA_TARGET, SMALL_RUN, bench_settings, built
@@ -265,6 +267,58 @@ def test_tap_records_and_stubs_answer() -> None:
     assert ("tap", "POST", "/v1/completions", 200) in seen
     assert ("tap", "GET", "/nowhere", 404) in seen
     assert tap.exchanges[0].request == {"prompt": "x"}
+
+
+@pytest.mark.parametrize("attempts", [router_capture.ROUTER_ATTEMPTS, 1])
+def test_a_router_port_taken_before_it_binds_is_picked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, attempts: int
+) -> None:
+    """The first port picked for the real vllm-router is listened on by
+    someone else by the time it binds: it is started again on new ports and
+    answers; with one attempt only (the negative control) it fails."""
+    stubs = router_capture.stub_taps("pd-model")
+    taken = socket.socket()
+    taken.bind((router_capture.HOST, 0))
+    taken.listen()
+    picks = [taken.getsockname()[1]]
+    real = router_capture.free_port
+    monkeypatch.setattr(router_capture, "free_port",
+                        lambda: picks.pop() if picks else real())  # fmt: skip
+    monkeypatch.setattr(router_capture, "ROUTER_ATTEMPTS", attempts)
+    router = router_capture.router_behind(stubs, tmp_path, "router", lambda _: None)
+    with taken, contextlib.ExitStack() as stack:
+        if attempts == 1:
+            with pytest.raises(wait.WaitError, match=router_capture.PORT_TAKEN):
+                stack.enter_context(router)
+            return
+        url, _ = stack.enter_context(router)
+        assert url != f"http://{router_capture.HOST}:{taken.getsockname()[1]}"
+        assert requests.get(f"{url}/health", timeout=10).status_code == 200
+    assert router_capture.PORT_TAKEN in (tmp_path / "router.log").read_text().lower()
+
+
+def test_the_routers_own_port_behind_the_front_is_picked_free_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-router listens behind pdstack.route's front on the router's port
+    + 1 unless told otherwise: with that one taken, a router on a free port
+    still starts first time (CI, 2026-12-03: vllm-router 'Address already
+    in use' after it was otherwise ready)."""
+    stubs = router_capture.stub_taps("pd-model")
+    with socket.socket() as taken:
+        taken.bind((router_capture.HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1] - 1
+        with socket.socket() as probe:  # the port before it is free
+            probe.bind((router_capture.HOST, port))
+        picks = [port]
+        real = router_capture.free_port
+        monkeypatch.setattr(router_capture, "free_port",
+                            lambda: picks.pop() if picks else real())  # fmt: skip
+        with router_capture.router_behind(stubs, tmp_path, "router", print) as (url, _):
+            assert url == f"http://{router_capture.HOST}:{port}"
+    log = (tmp_path / "router.log").read_text().lower()
+    assert router_capture.PORT_TAKEN not in log
 
 
 def test_real_router_protocol_through_taps(tmp_path: Path) -> None:

@@ -75,7 +75,8 @@ def router_2p2d(tmp_path: Path):
         decode=f"{taps[2].url},{taps[3].url}",
         bootstrap_port=boot.port,
     )
-    argv = supervisor.router_command(urls, metrics_port=supervisor.free_port())
+    argv = supervisor.router_command(urls, metrics_port=supervisor.free_port(),
+                                     internal_port=supervisor.free_port())  # fmt: skip
     procs = supervisor.Processes(tmp_path, "router.json", lambda _: None)
     with http_tap.TapServer([*taps, boot]):
         procs.launch("router", argv, {}, urls.router)
