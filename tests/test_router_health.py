@@ -82,7 +82,9 @@ def stubs() -> Iterator[Stubs]:
 def router(stubs: Stubs, tmp_path: Path, extra: list[str]) -> Iterator[str]:
     ports = config.Ports(router=free_port(), router_metrics=free_port(), **stubs.ports)
     urls = supervisor.urls(ports)
-    argv = supervisor.router_command(urls, extra, ports.router_metrics)
+    argv = supervisor.router_command(
+        urls, extra, ports.router_metrics, internal_port=free_port()
+    )
     procs = supervisor.Processes(tmp_path, "router.json", lambda line: None)
     procs.launch("router", argv, {}, urls.router)
     try:
