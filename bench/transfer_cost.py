@@ -480,20 +480,20 @@ def to_json(result: Result) -> dict[str, Any]:
     return {
         "samples": [asdict(s) for s in result.samples],
         "regions": result.regions,
-        "engine_cpu_per_byte": {
-            str(k): v for k, v in result.engine_cpu_per_byte.items()
-        },
-        "engine_threads_per_byte": {
-            str(k): v for k, v in result.engine_threads_per_byte.items()
-        },
+        "engine_cpu_per_byte": _by_size(result.engine_cpu_per_byte),
+        "engine_threads_per_byte": _by_size(result.engine_threads_per_byte),
         "info": result.info,
         "references": [
-            {"state": r.state, "pass": r.name,
-             "per_byte": {str(k): v for k, v in r.per_byte.items()},
-             "threads_per_byte": {str(k): v for k, v in r.threads_per_byte.items()}}
+            {"state": r.state, "pass": r.name, "per_byte": _by_size(r.per_byte),
+             "threads_per_byte": _by_size(r.threads_per_byte)}
             for r in result.references
         ],
     }  # fmt: skip
+
+
+def _by_size(per_byte: Mapping[int, float]) -> dict[str, float]:
+    """JSON's keys are strings; _sizes reads them back."""
+    return {str(k): v for k, v in per_byte.items()}
 
 
 def _sizes(data: Mapping[str, Any] | None) -> dict[int, float]:
