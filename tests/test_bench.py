@@ -269,6 +269,13 @@ def test_tap_records_and_stubs_answer() -> None:
     assert tap.exchanges[0].request == {"prompt": "x"}
 
 
+def pick_first(monkeypatch: pytest.MonkeyPatch, port: int) -> None:
+    """router_capture's free_port hands out ``port`` first, then free ones."""
+    picks, real = [port], router_capture.free_port
+    monkeypatch.setattr(router_capture, "free_port",
+                        lambda: picks.pop() if picks else real())  # fmt: skip
+
+
 @pytest.mark.parametrize("attempts", [router_capture.ROUTER_ATTEMPTS, 1])
 def test_a_router_port_taken_before_it_binds_is_picked_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, attempts: int
@@ -280,10 +287,7 @@ def test_a_router_port_taken_before_it_binds_is_picked_again(
     taken = socket.socket()
     taken.bind((router_capture.HOST, 0))
     taken.listen()
-    picks = [taken.getsockname()[1]]
-    real = router_capture.free_port
-    monkeypatch.setattr(router_capture, "free_port",
-                        lambda: picks.pop() if picks else real())  # fmt: skip
+    pick_first(monkeypatch, taken.getsockname()[1])
     monkeypatch.setattr(router_capture, "ROUTER_ATTEMPTS", attempts)
     router = router_capture.router_behind(stubs, tmp_path, "router", lambda _: None)
     with taken, contextlib.ExitStack() as stack:
@@ -311,10 +315,7 @@ def test_the_routers_own_port_behind_the_front_is_picked_free_too(
         port = taken.getsockname()[1] - 1
         with socket.socket() as probe:  # the port before it is free
             probe.bind((router_capture.HOST, port))
-        picks = [port]
-        real = router_capture.free_port
-        monkeypatch.setattr(router_capture, "free_port",
-                            lambda: picks.pop() if picks else real())  # fmt: skip
+        pick_first(monkeypatch, port)
         with router_capture.router_behind(stubs, tmp_path, "router", print) as (url, _):
             assert url == f"http://{router_capture.HOST}:{port}"
     log = (tmp_path / "router.log").read_text().lower()
